@@ -1,0 +1,683 @@
+"""Lightning's DDP and FSDP strategies that work under Hydra, ``--multirun`` sweeps included.
+
+Why
+---
+Lightning starts ranks 1..N-1 by re-running ``sys.argv``. Inside a Hydra sweep that is the
+*sweep* command, so every child rank re-runs the whole sweep (or the wrong job). ``HydraDDP``
+and ``HydraFSDP`` instead start every child rank of a job from **that job's own saved config**,
+``<job output dir>/<hydra.output_subdir>/config.yaml``, so every rank of every job trains what
+rank 0 trains.
+
+Use
+---
+With hydra-zen::
+
+    from hydra_zen import builds, make_config
+    import pytorch_lightning as pl
+    from hydra_fsdp import HydraDDP, HydraFSDP
+
+    Trainer = builds(pl.Trainer, accelerator="gpu", devices=2, strategy=builds(HydraFSDP))
+    Config = make_config(trainer=Trainer, module=builds(MyModule), datamodule=builds(MyData))
+
+    def task(trainer, module, datamodule):          # run with zen(task)
+        trainer.fit(module, datamodule=datamodule)
+
+or in plain YAML ``strategy: {_target_: hydra_fsdp.HydraFSDP}``. The job's config must hold
+``trainer`` and ``module`` (``datamodule`` is optional); child ranks instantiate those three
+keys and call the same stage (fit/validate/test/predict) with the ``ckpt_path`` rank 0 got.
+
+``MUSHIN_DDP_LAUNCH_DELAY`` (seconds, default 1, ``0`` disables) is waited between two child
+spawns. Each child rank writes its output to ``<job dir>/rank_<N>.log``.
+
+How
+---
+For every stage, rank 0 writes ``<job dir>/<hydra.output_subdir>/rank_plan.yaml`` (the job's
+config resolved as rank 0 resolves it, Hydra's runtime config, the stage, the checkpoint, the
+working directory and ``sys.path``) and starts each child rank as::
+
+    LOCAL_RANK=1 NODE_RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=<port> \\
+        python /path/to/hydra_fsdp.py <job dir>/.hydra/rank_plan.yaml
+
+Rank 0 holds the rendezvous port for the whole stage, so concurrent sweeps never collide, and
+waits for every child to check in before it joins the process group: a child that dies while
+starting fails its job at once instead of hanging the rendezvous. A failed rank fails its job,
+never the sweep: the other ranks are ended, the error names the rank, its exit code and its log.
+"""
+
+import inspect
+import math
+import os
+import re
+import runpy
+import signal
+import subprocess
+import sys
+import threading
+import time
+import types
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+try:
+    import pytorch_lightning as pl
+except ImportError:  # only the unified package is installed
+    import lightning.pytorch as pl
+
+__all__ = ["HydraDDP", "HydraFSDP", "RankLaunchError", "ChildRankError"]
+
+LAUNCH_DELAY_ENV = "MUSHIN_DDP_LAUNCH_DELAY"
+DEFAULT_LAUNCH_DELAY = 1.0
+DEFAULT_RANK_TIMEOUT = 600.0
+_PLAN_FILE = "rank_plan.yaml"
+_CHECK_IN_KEY = "hydra_fsdp/ready/{}"
+# What a launch sets in rank 0's environment; restored afterwards so the next job of the
+# sweep neither reuses this job's port nor mistakes itself for a child (``LOCAL_RANK``).
+_RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
+_LOG_TAIL_LINES = 20
+# After rank 0 saw a collective fail, how long a child that caused it may take to exit.
+_PEER_EXIT_GRACE = 2.0
+
+
+class RankLaunchError(RuntimeError):
+    """The job cannot start its child ranks: raised before any of them is spawned."""
+
+
+class ChildRankError(RuntimeError):
+    """A child rank failed, hung or was ended; its job fails, the sweep goes on."""
+
+
+# --------------------------------------------------------------------------- what rank 0 reads
+
+
+def _launch_delay() -> float:
+    raw = os.environ.get(LAUNCH_DELAY_ENV)
+    if raw is None:
+        return DEFAULT_LAUNCH_DELAY
+    try:
+        delay = float(raw)
+    except ValueError:
+        delay = math.nan
+    if not math.isfinite(delay) or delay < 0:
+        raise RankLaunchError(
+            f"{LAUNCH_DELAY_ENV}={raw!r} is not a number of seconds: expected a finite number >= 0"
+            f" (e.g. {LAUNCH_DELAY_ENV}=1, or 0 to start child ranks without a pause)."
+        )
+    return delay
+
+
+def _saved_config_path() -> Path:
+    if not HydraConfig.initialized():
+        raise RankLaunchError(
+            "HydraDDP/HydraFSDP start child ranks from the running Hydra job's saved config, but no"
+            " Hydra job is running here. Call trainer.fit/validate/test/predict inside a Hydra task"
+            " function (@hydra.main, hydra_zen.zen or hydra_zen.launch), or use Lightning's own"
+            " strategy='ddp'/'fsdp' outside Hydra."
+        )
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.output_subdir is None:
+        raise RankLaunchError(
+            "hydra.output_subdir is null, so Hydra saved no config.yaml for this job and child ranks"
+            " have nothing to start from. Remove the hydra.output_subdir=null override (its default"
+            " is .hydra)."
+        )
+    return Path(hydra_cfg.runtime.output_dir, hydra_cfg.output_subdir, "config.yaml")
+
+
+def _load_saved_config(path: Path, required: tuple[str, ...]) -> DictConfig:
+    if not path.is_file():
+        raise RankLaunchError(
+            f"The job's saved config {path} does not exist, so child ranks have nothing to start"
+            " from. Hydra writes it at job start unless hydra.output_subdir is null or the file was"
+            " moved; keep hydra.output_subdir set and the job directory in place."
+        )
+    config = OmegaConf.load(path)
+    missing = [key for key in required if key not in config]
+    if missing:
+        raise RankLaunchError(
+            f"The job's saved config {path} has no {', '.join(repr(k) for k in missing)} key"
+            f" (it has: {', '.join(map(str, config.keys())) or 'nothing'}). Child ranks instantiate"
+            f" the trainer, module and datamodule from it: add the key(s) to your top-level config,"
+            " or tell the strategy where they are, e.g. HydraDDP(module_key='model')."
+        )
+    return config
+
+
+def _live_job_config() -> Optional[DictConfig]:
+    """Return the config object Hydra handed to the running task function, if any.
+
+    Hydra keeps no global handle on it, yet it carries rank 0's resolver cache: the
+    ``${now:...}`` values rank 0 has seen, which a fresh load of config.yaml would resolve to
+    the present instead. Hydra's ``run_job`` holds it as ``task_cfg``.
+    """
+    from hydra.core.utils import run_job
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is run_job.__code__:
+            return frame.f_locals.get("task_cfg")
+        frame = frame.f_back
+    return None
+
+
+def _resolved_as_rank_zero_sees_it(config: DictConfig) -> dict:
+    live = _live_job_config()
+    if live is not None:
+        OmegaConf.to_container(live, resolve=True)  # caches every ${now:} rank 0 will read
+        OmegaConf.copy_cache(from_config=live, to_config=config)
+    else:
+        OmegaConf.copy_cache(from_config=HydraConfig.get()._get_root(), to_config=config)
+    return OmegaConf.to_container(config, resolve=True)
+
+
+def _resolved_hydra_config() -> dict:
+    return OmegaConf.to_container(HydraConfig.get(), resolve=True)
+
+
+def _escaped(value: Any) -> Any:
+    """Escape ``${`` in resolved strings so that OmegaConf reads them back literally."""
+    if isinstance(value, str):
+        return re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", value)
+    if isinstance(value, dict):
+        return {key: _escaped(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_escaped(item) for item in value]
+    return value
+
+
+def _launching_script() -> dict:
+    """Say how a child finds the classes of rank 0's ``__main__`` (``_target_: __main__.X``)."""
+    import __main__
+
+    spec = getattr(__main__, "__spec__", None)
+    if spec is not None and not spec.name.endswith("__main__"):
+        return {"module": spec.name}
+    path = getattr(__main__, "__file__", None)
+    if spec is None and path is not None:
+        return {"path": os.path.abspath(path)}
+    return {}  # an interactive session or a package's __main__: nothing safe to re-import
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+class _RankPlan:
+    """What every child rank of one stage of one job runs, saved next to the job's config.
+
+    Rank 0 writes it; each child reads it back. It holds the job's config resolved exactly as
+    rank 0 resolves it (``${hydra:job.num}``, ``${now:...}``), so child ranks never re-resolve.
+    """
+
+    def __init__(self, data: dict) -> None:
+        self.data = data
+
+    @classmethod
+    def for_stage(cls, trainer: "pl.Trainer", stage_call: dict, keys: dict) -> "_RankPlan":
+        required = (keys["module_key"],) + ((keys["datamodule_key"],) if stage_call["datamodule"] else ())
+        config = _load_saved_config(_saved_config_path(), ("trainer",) + required)
+        return cls(
+            {
+                "stage": stage_call["stage"],
+                "ckpt_path": stage_call["ckpt_path"],
+                "datamodule": stage_call["datamodule"],
+                "module_key": keys["module_key"],
+                "datamodule_key": keys["datamodule_key"],
+                "cwd": os.getcwd(),
+                "sys_path": list(sys.path),
+                "sys_argv": list(sys.argv),
+                "main": _launching_script(),
+                "hydra": _escaped(_resolved_hydra_config()),
+                "config": _escaped(_resolved_as_rank_zero_sees_it(config)),
+            }
+        )
+
+    def save(self) -> Path:
+        path = _saved_config_path().with_name(_PLAN_FILE)
+        OmegaConf.save(OmegaConf.create(self.data), path)
+        return path
+
+    @classmethod
+    def load(cls, path: str) -> DictConfig:
+        return OmegaConf.load(path)
+
+
+def _stage_call(function: Callable, args: tuple, kwargs: dict, trainer: "pl.Trainer") -> dict:
+    """Read from rank 0's call what its children must repeat: stage, checkpoint, datamodule."""
+    call = inspect.signature(function).bind(*args, **kwargs).arguments
+    datamodule = call.get("datamodule")
+    dataloaders = [name for name in ("train_dataloaders", "val_dataloaders", "dataloaders") if call.get(name) is not None]
+    if any(isinstance(call[name], pl.LightningDataModule) for name in dataloaders):
+        datamodule = True  # Lightning accepts a datamodule in the dataloaders' place
+    elif dataloaders:
+        raise RankLaunchError(
+            f"trainer.{trainer.state.fn.value}() got {' and '.join(dataloaders)} directly, which child"
+            " ranks cannot rebuild: they only instantiate the job's config. Put the data in a"
+            " LightningDataModule under the config's datamodule key and pass it as datamodule=..., or"
+            " define the *_dataloader hooks on your LightningModule."
+        )
+    model = call["model"] if call.get("model") is not None else trainer.lightning_module
+    ckpt_path = trainer._checkpoint_connector._select_ckpt_path(
+        trainer.state.fn,
+        call.get("ckpt_path"),
+        model_provided=call.get("model") is not None,
+        model_connected=trainer.lightning_module is not None,
+    )
+    if ckpt_path is not None and "://" not in str(ckpt_path):
+        ckpt_path = os.path.abspath(ckpt_path)
+    return {
+        "stage": trainer.state.fn.value,
+        "ckpt_path": None if ckpt_path is None else str(ckpt_path),
+        "datamodule": datamodule is not None,
+        "model": model,
+    }
+
+
+# --------------------------------------------------------------------------- child processes
+
+
+class _ChildRanks:
+    """Ranks 1..N-1 of one stage of one job: started, awaited, checked, and ended.
+
+    Rank 0 binds the rendezvous port before it spawns anyone (a TCPStore that torch's own
+    ``init_process_group`` reuses), so two sweeps on one machine cannot pick the same port, and
+    children check in through it before anyone blocks in the rendezvous.
+    """
+
+    def __init__(
+        self, plan_path: Path, job_dir: Path, num_processes: int, address: str, port: int, timeout: float
+    ) -> None:
+        self.plan_path = plan_path
+        self.job_dir = job_dir
+        self.num_processes = num_processes
+        self.address = address
+        self.port = port
+        self.timeout = timeout
+        self.procs: dict[int, subprocess.Popen] = {}
+        self._store = torch.distributed.TCPStore(address, port, is_master=True, multi_tenant=True, wait_for_workers=False)
+
+    def log_path(self, rank: int) -> Path:
+        return self.job_dir / f"rank_{rank}.log"
+
+    def child_env(self, rank: int) -> dict:
+        env = dict(os.environ)
+        env.update(
+            MASTER_ADDR=self.address,
+            MASTER_PORT=str(self.port),
+            NODE_RANK="0",
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(self.num_processes),
+            PYTHONUNBUFFERED="1",  # a killed child's log must still hold its last words
+        )
+        return env
+
+    def command(self) -> list[str]:
+        return [sys.executable, os.path.abspath(__file__), str(self.plan_path)]
+
+    def start(self, delay: float) -> None:
+        for rank in range(1, self.num_processes):
+            if rank > 1 and delay:
+                time.sleep(delay)
+            with open(self.log_path(rank), "ab") as log:
+                self.procs[rank] = subprocess.Popen(
+                    self.command(), env=self.child_env(rank), cwd=os.getcwd(), stdout=log, stderr=subprocess.STDOUT
+                )
+
+    def wait_until_checked_in(self) -> None:
+        keys = [_CHECK_IN_KEY.format(rank) for rank in self.procs]
+        deadline = time.monotonic() + self.timeout
+        while not self._store.check(keys):
+            self.raise_if_any_failed()
+            if time.monotonic() > deadline:
+                late = [rank for rank in self.procs if not self._store.check([_CHECK_IN_KEY.format(rank)])]
+                self.end()
+                raise ChildRankError(
+                    f"Child rank(s) {late} did not reach the process group within {self.timeout:g} s"
+                    f" and were ended. {self._describe(late[0])} Raise rank_timeout on the strategy if"
+                    " they only start slowly."
+                )
+            time.sleep(0.05)
+
+    def raise_if_any_failed(self) -> None:
+        for rank, proc in self.procs.items():
+            if proc.poll() not in (None, 0):
+                self.end()
+                raise ChildRankError(f"Child rank {rank} failed: {self._describe(rank)}")
+
+    def wait_until_done(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        for rank, proc in self.procs.items():
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.end()
+                raise ChildRankError(
+                    f"Child rank {rank} was still running {self.timeout:g} s after rank 0 finished the"
+                    f" stage and was ended. {self._describe(rank)}"
+                ) from None
+        self.raise_if_any_failed()
+
+    def first_failure(self, grace: float) -> Optional[int]:
+        """Return the rank that failed on its own, giving children ``grace`` s to exit."""
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            failed = [rank for rank, proc in self.procs.items() if proc.poll() not in (None, 0)]
+            if failed or all(proc.poll() is not None for proc in self.procs.values()):
+                return failed[0] if failed else None
+            time.sleep(0.05)
+        return None
+
+    def end(self) -> None:
+        """SIGKILL every child still running and reap it: a rank stuck in a collective ignores less."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs.values():
+            proc.wait()
+
+    def close(self) -> None:
+        self.end()
+        del self._store
+
+    def _describe(self, rank: int) -> str:
+        proc = self.procs[rank]
+        code = proc.poll()
+        status = "still running" if code is None else f"exit code {code}"
+        if code is not None and code < 0:
+            status += f" (killed by {signal.Signals(-code).name})"
+        log = self.log_path(rank)
+        tail = log.read_text(errors="replace").splitlines()[-_LOG_TAIL_LINES:] if log.exists() else []
+        shown = "\n".join("    " + line for line in tail)
+        return f"rank {rank} (pid {proc.pid}, {status}); its log is {log}" + (
+            f", ending with:\n{shown}" if shown else "."
+        )
+
+
+class _HydraRankLauncher:
+    """Start a job's child ranks from the job's saved config, never from ``sys.argv``.
+
+    Unlike Lightning's ``_SubprocessScriptLauncher`` it can launch again for a second stage,
+    ends its children when rank 0 fails, and reports a failed child as its job's error instead
+    of killing the whole process (which, under ``--multirun``, is the sweep).
+    """
+
+    def __init__(self, strategy: "_HydraStrategy") -> None:
+        self.strategy = strategy
+        self.children: Optional[_ChildRanks] = None
+        self.signal_received: Optional[int] = None
+
+    @property
+    def is_interactive_compatible(self) -> bool:
+        return False
+
+    def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
+        strategy = self.strategy
+        env = strategy.cluster_environment
+        env.validate_settings(num_devices=strategy.num_processes, num_nodes=strategy.num_nodes)
+        if env.creates_processes_externally:
+            return function(*args, **kwargs)
+        if strategy.num_nodes > 1:
+            raise RankLaunchError(
+                f"num_nodes={strategy.num_nodes}, but HydraDDP/HydraFSDP start child ranks on one node"
+                " only. Across nodes, let torchrun or SLURM start every rank."
+            )
+        delay = _launch_delay()
+        stage_call = _stage_call(function, args, kwargs, trainer)
+        strategy._check_stage(stage_call)
+        plan_path = _RankPlan.for_stage(trainer, stage_call, strategy._config_keys).save()
+        saved_env = {key: os.environ.get(key) for key in _RENDEZVOUS_ENV}
+        self.signal_received = None
+        job_dir = Path(HydraConfig.get().runtime.output_dir)
+        self.children = _ChildRanks(
+            plan_path, job_dir, strategy.num_processes, env.main_address, env.main_port, strategy.rank_timeout
+        )
+        try:
+            with _sigterm_raises_system_exit():
+                self.children.start(delay)
+                self.children.wait_until_checked_in()
+                result = function(*args, **kwargs)
+                self.children.wait_until_done()
+                return result
+        except BaseException as error:
+            job_error = self._job_error(error)
+            if job_error is error:
+                raise
+            raise job_error from error
+        finally:
+            self.children.close()
+            self.children = None
+            _restore_env(saved_env)
+
+    def kill(self, signum: int) -> None:
+        """Called by Lightning's SIGTERM handler: the job, and with it the sweep, is to stop."""
+        self.signal_received = signum
+        if self.children is not None:
+            self.children.end()
+
+    def _job_error(self, error: BaseException) -> BaseException:
+        children = self.children
+        if self.signal_received is not None:
+            children.end()
+            return SystemExit(128 + self.signal_received)
+        if isinstance(error, (ChildRankError, KeyboardInterrupt, SystemExit)):
+            children.end()
+            return error
+        failed = children.first_failure(grace=_PEER_EXIT_GRACE)
+        children.end()
+        if failed is None:
+            return error  # rank 0's own failure: its traceback is the story
+        return ChildRankError(f"Child rank {failed} failed: {children._describe(failed)}")
+
+
+class _sigterm_raises_system_exit:
+    """While rank 0 waits on its children, SIGTERM ends the job cleanly instead of orphaning them."""
+
+    def __enter__(self) -> None:
+        self.previous = None
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGTERM, _raise_system_exit)
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
+
+
+def _raise_system_exit(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _restore_env(saved: dict) -> None:
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+# --------------------------------------------------------------------------- the strategies
+
+
+class _HydraStrategy:
+    """What HydraDDP and HydraFSDP share: the launcher, the config contract, a clean teardown."""
+
+    def __init__(
+        self,
+        *args: Any,
+        rank_timeout: float = DEFAULT_RANK_TIMEOUT,
+        module_key: str = "module",
+        datamodule_key: str = "datamodule",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.rank_timeout = rank_timeout
+        self._config_keys = {"module_key": module_key, "datamodule_key": datamodule_key}
+
+    def _configure_launcher(self) -> None:
+        self._launcher = _HydraRankLauncher(self)
+
+    def _check_stage(self, stage_call: dict) -> None:
+        """Refuse, before any child starts, a stage whose ranks would not hold the same model."""
+
+    def teardown(self) -> None:
+        super().teardown()
+        # Lightning leaves the process group up; the next job of the sweep must build its own.
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+class HydraDDP(_HydraStrategy, pl.strategies.DDPStrategy):
+    """Lightning's ``DDPStrategy``, with every child rank started from the Hydra job's saved config.
+
+    Extra arguments: ``rank_timeout`` (seconds a child may take to reach the process group, and
+    to exit after rank 0 finished; default 600), ``module_key`` and ``datamodule_key`` (where the
+    job's config holds them; default ``module`` and ``datamodule``). The rest is DDPStrategy's.
+    """
+
+
+class HydraFSDP(_HydraStrategy, pl.strategies.FSDPStrategy):
+    """Lightning's ``FSDPStrategy``, started like HydraDDP, and able to shard on CPU over gloo.
+
+    Extra arguments as HydraDDP's; the rest is FSDPStrategy's.
+    """
+
+    def _check_stage(self, stage_call: dict) -> None:
+        model = stage_call["model"]
+        if model is not None and model._trainer is not None:
+            raise RankLaunchError(
+                f"trainer.{stage_call['stage']}() got a LightningModule that already ran a stage in this"
+                " process. Under HydraFSDP its weights are sharded across child ranks that have since"
+                " exited, and fresh child ranks could not evaluate the same model. Pass a fresh module"
+                " and the checkpoint to use, e.g. trainer.test(instantiate(cfg.module), ckpt_path='best')"
+                " (or ckpt_path='last' or a path)."
+            )
+
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if self.root_device.type != "cpu" or any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+            return super()._setup_model(model)
+        # Lightning passes device_id=root_device.index, None on CPU, and torch's FSDP then looks for
+        # an accelerator; so wrap here with the CPU device and let Lightning finish the setup.
+        wrapped = FullyShardedDataParallel(
+            module=model,
+            cpu_offload=self.cpu_offload,
+            mixed_precision=self.mixed_precision_config,
+            sharding_strategy=self.sharding_strategy,
+            device_id=self.root_device,
+            **self.kwargs,
+        )
+        # Lightning warns about, and drops, an auto_wrap_policy given with a wrapped model; ours applied it.
+        auto_wrap_policy = self.kwargs.pop("auto_wrap_policy", None)
+        try:
+            return super()._setup_model(wrapped)
+        finally:
+            if auto_wrap_policy is not None:
+                self.kwargs["auto_wrap_policy"] = auto_wrap_policy
+
+    def lightning_module_state_dict(self) -> dict:
+        if not self._full_state_dict_on_cpu():
+            return super().lightning_module_state_dict()
+        with _full_state_dict_in_place(self.model):
+            return self.model.state_dict()
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        if not self._full_state_dict_on_cpu():
+            return super().optimizer_state(optimizer)
+        from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType
+
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap a LightningOptimizer
+        with _full_state_dict_in_place(self.model):
+            state = FullyShardedDataParallel.optim_state_dict(self.model, optimizer)
+        if self.global_rank == 0:
+            state = FullyShardedDataParallel.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_ID, self.model)
+        return state
+
+    def _full_state_dict_on_cpu(self) -> bool:
+        return self._state_dict_type == "full" and self.root_device.type == "cpu"
+
+
+def _full_state_dict_in_place(module: torch.nn.Module) -> Any:
+    """FSDP's full-state-dict context without ``offload_to_cpu``.
+
+    Lightning always asks FSDP to offload the gathered state to the CPU; with shards already on
+    the CPU that frees memory the state dict still points to, and the process segfaults
+    (Lightning issue #21804). Rank 0 alone gathers, as Lightning does.
+    """
+    from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel, StateDictType
+    from torch.distributed.fsdp.api import FullOptimStateDictConfig
+
+    return FullyShardedDataParallel.state_dict_type(
+        module=module,
+        state_dict_type=StateDictType.FULL_STATE_DICT,
+        state_dict_config=FullStateDictConfig(offload_to_cpu=False, rank0_only=True),
+        optim_state_dict_config=FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=True),
+    )
+
+
+# --------------------------------------------------------------------------- a child rank
+
+
+def _run_child_rank(plan_path: str) -> None:
+    """Run one child rank: rebuild the job as rank 0 saw it, check in, run rank 0's stage."""
+    _exit_with_parent()
+    plan = _RankPlan.load(plan_path)
+    os.chdir(plan.cwd)
+    sys.path[:] = list(plan.sys_path)
+    sys.argv[:] = list(plan.sys_argv)
+    _import_launching_script(plan.main)
+    hydra_cfg = OmegaConf.create({"hydra": plan.hydra})
+    OmegaConf.set_readonly(hydra_cfg, True)
+    HydraConfig.instance().cfg = hydra_cfg
+
+    config = plan.config
+    trainer = instantiate(config.trainer)
+    module = instantiate(config[plan.module_key])
+    stage_kwargs: dict = {"ckpt_path": plan.ckpt_path}
+    if plan.datamodule:
+        stage_kwargs["datamodule"] = instantiate(config[plan.datamodule_key])
+    _check_in()
+    getattr(trainer, plan.stage)(module, **stage_kwargs)
+
+
+def _exit_with_parent() -> None:
+    """End this child if rank 0 dies without ending it (SIGKILL, a crash): never an orphan."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="hydra-fsdp-parent-watch", daemon=True).start()
+
+
+def _import_launching_script(main: DictConfig) -> None:
+    """Import rank 0's ``__main__`` as multiprocessing's spawn does, so ``__main__.X`` resolves.
+
+    Its ``if __name__ == "__main__":`` block does not run here.
+    """
+    if "module" in main:
+        namespace = runpy.run_module(main.module, run_name="__mp_main__", alter_sys=False)
+    elif "path" in main:
+        namespace = runpy.run_path(main.path, run_name="__mp_main__")
+    else:
+        return
+    module = types.ModuleType("__mp_main__")
+    module.__dict__.update(namespace)
+    sys.modules["__main__"] = sys.modules["__mp_main__"] = module
+
+
+def _check_in() -> None:
+    store = torch.distributed.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=60)
+    )
+    store.set(_CHECK_IN_KEY.format(os.environ["LOCAL_RANK"]), "1")
+
+
+if __name__ == "__main__":
+    _run_child_rank(sys.argv[1])
