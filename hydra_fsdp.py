@@ -56,6 +56,7 @@ import threading
 import time
 import types
 from datetime import timedelta
+from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -64,11 +65,16 @@ import torch.distributed
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 try:
     import pytorch_lightning as pl
+    from pytorch_lightning.plugins.environments import LightningEnvironment
+    from lightning_fabric.utilities.seed import reset_seed
 except ImportError:  # only the unified package is installed
     import lightning.pytorch as pl
+    from lightning.pytorch.plugins.environments import LightningEnvironment
+    from lightning.fabric.utilities.seed import reset_seed
 
 __all__ = ["HydraDDP", "HydraFSDP", "RankLaunchError", "ChildRankError"]
 
@@ -169,25 +175,39 @@ def _live_job_config() -> Optional[DictConfig]:
 def _resolved_as_rank_zero_sees_it(config: DictConfig) -> dict:
     live = _live_job_config()
     if live is not None:
-        OmegaConf.to_container(live, resolve=True)  # caches every ${now:} rank 0 will read
+        _resolved_where_possible(live)  # caches every ${now:} rank 0 will read
         OmegaConf.copy_cache(from_config=live, to_config=config)
     else:
         OmegaConf.copy_cache(from_config=HydraConfig.get()._get_root(), to_config=config)
-    return OmegaConf.to_container(config, resolve=True)
+    return _resolved_where_possible(config)
 
 
-def _resolved_hydra_config() -> dict:
-    return OmegaConf.to_container(HydraConfig.get(), resolve=True)
+def _resolved_where_possible(config: Any) -> Any:
+    """Resolve every value of ``config`` as rank 0 does, for a child to read back literally.
+
+    A value rank 0 cannot resolve either (``???``, or ``${hydra:job.num}`` outside a sweep) is
+    kept as written, so that it fails on a child where it would fail on rank 0.
+    """
+    if not OmegaConf.is_config(config):
+        return _escaped(config.name if isinstance(config, Enum) else config)
+    is_dict = isinstance(config, DictConfig)
+    resolved: Any = {} if is_dict else [None] * len(config)
+    for key in config.keys() if is_dict else range(len(config)):
+        try:
+            resolved[key] = _resolved_where_possible(config[key])
+        except OmegaConfBaseException:
+            resolved[key] = config._get_node(key)._value()
+    return resolved
 
 
 def _escaped(value: Any) -> Any:
     """Escape ``${`` in resolved strings so that OmegaConf reads them back literally."""
     if isinstance(value, str):
         return re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", value)
+    if isinstance(value, (list, tuple)):
+        return [_escaped(item) for item in value]
     if isinstance(value, dict):
         return {key: _escaped(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_escaped(item) for item in value]
     return value
 
 
@@ -221,20 +241,23 @@ class _RankPlan:
     def for_stage(cls, trainer: "pl.Trainer", stage_call: dict, keys: dict) -> "_RankPlan":
         required = (keys["module_key"],) + ((keys["datamodule_key"],) if stage_call["datamodule"] else ())
         config = _load_saved_config(_saved_config_path(), ("trainer",) + required)
+        process = {
+            "stage": stage_call["stage"],
+            "ckpt_path": stage_call["ckpt_path"],
+            "datamodule": stage_call["datamodule"],
+            "module_key": keys["module_key"],
+            "datamodule_key": keys["datamodule_key"],
+            "cwd": os.getcwd(),
+            "sys_path": sys.path,
+            "sys_argv": sys.argv,
+            "main": _launching_script(),
+        }
         return cls(
-            {
-                "stage": stage_call["stage"],
-                "ckpt_path": stage_call["ckpt_path"],
-                "datamodule": stage_call["datamodule"],
-                "module_key": keys["module_key"],
-                "datamodule_key": keys["datamodule_key"],
-                "cwd": os.getcwd(),
-                "sys_path": list(sys.path),
-                "sys_argv": list(sys.argv),
-                "main": _launching_script(),
-                "hydra": _escaped(_resolved_hydra_config()),
-                "config": _escaped(_resolved_as_rank_zero_sees_it(config)),
-            }
+            dict(
+                _escaped(process),
+                hydra=_resolved_where_possible(HydraConfig.get()),
+                config=_resolved_as_rank_zero_sees_it(config),
+            )
         )
 
     def save(self) -> Path:
@@ -289,17 +312,18 @@ class _ChildRanks:
     children check in through it before anyone blocks in the rendezvous.
     """
 
-    def __init__(
-        self, plan_path: Path, job_dir: Path, num_processes: int, address: str, port: int, timeout: float
-    ) -> None:
+    def __init__(self, plan_path: Path, job_dir: Path, num_processes: int, address: str, timeout: float) -> None:
         self.plan_path = plan_path
         self.job_dir = job_dir
         self.num_processes = num_processes
         self.address = address
-        self.port = port
         self.timeout = timeout
         self.procs: dict[int, subprocess.Popen] = {}
-        self._store = torch.distributed.TCPStore(address, port, is_master=True, multi_tenant=True, wait_for_workers=False)
+        # Port 0: the OS picks a port nobody holds, and we hold it until the stage ends. Never
+        # an earlier stage's port: its store may outlive it (an FSDP module keeps its process
+        # group), and its stale keys would send this stage's ranks to dead peers.
+        self._store = torch.distributed.TCPStore(address, 0, is_master=True, multi_tenant=True, wait_for_workers=False)
+        self.port = self._store.port
 
     def log_path(self, rank: int) -> Path:
         return self.job_dir / f"rank_{rank}.log"
@@ -365,12 +389,13 @@ class _ChildRanks:
     def first_failure(self, grace: float) -> Optional[int]:
         """Return the rank that failed on its own, giving children ``grace`` s to exit."""
         deadline = time.monotonic() + grace
-        while time.monotonic() < deadline:
-            failed = [rank for rank, proc in self.procs.items() if proc.poll() not in (None, 0)]
-            if failed or all(proc.poll() is not None for proc in self.procs.values()):
-                return failed[0] if failed else None
-            time.sleep(0.05)
-        return None
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                break
+        failed = [rank for rank, proc in self.procs.items() if proc.poll() not in (None, 0)]
+        return failed[0] if failed else None
 
     def end(self) -> None:
         """SIGKILL every child still running and reap it: a rank stuck in a collective ignores less."""
@@ -418,6 +443,8 @@ class _HydraRankLauncher:
     def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
         strategy = self.strategy
         env = strategy.cluster_environment
+        if env.creates_processes_externally:
+            _check_launched_world_size(strategy.num_nodes, strategy.num_processes)
         env.validate_settings(num_devices=strategy.num_processes, num_nodes=strategy.num_nodes)
         if env.creates_processes_externally:
             return function(*args, **kwargs)
@@ -433,9 +460,10 @@ class _HydraRankLauncher:
         saved_env = {key: os.environ.get(key) for key in _RENDEZVOUS_ENV}
         self.signal_received = None
         job_dir = Path(HydraConfig.get().runtime.output_dir)
-        self.children = _ChildRanks(
-            plan_path, job_dir, strategy.num_processes, env.main_address, env.main_port, strategy.rank_timeout
-        )
+        self.children = _ChildRanks(plan_path, job_dir, strategy.num_processes, env.main_address, strategy.rank_timeout)
+        os.environ["MASTER_PORT"] = str(self.children.port)
+        if isinstance(env, LightningEnvironment):
+            env._main_port = -1  # it caches the first port it read; this stage's is new
         try:
             with _sigterm_raises_system_exit():
                 self.children.start(delay)
@@ -472,6 +500,19 @@ class _HydraRankLauncher:
         if failed is None:
             return error  # rank 0's own failure: its traceback is the story
         return ChildRankError(f"Child rank {failed} failed: {children._describe(failed)}")
+
+
+def _check_launched_world_size(num_nodes: int, devices: int) -> None:
+    """Fail before the rendezvous, which would otherwise wait for ranks that never come."""
+    launched = os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS")
+    if launched is not None and int(launched) != num_nodes * devices:
+        raise RankLaunchError(
+            f"The external launcher started {launched} processes (world size), but the Trainer expects"
+            f" num_nodes x devices = {num_nodes} x {devices} = {num_nodes * devices}. Start one process per"
+            " device on every node (torchrun --nnodes=<num_nodes> --nproc-per-node=<devices>, or SLURM"
+            " --nodes=<num_nodes> --ntasks-per-node=<devices>), or set the Trainer's num_nodes and devices"
+            " to match."
+        )
 
 
 class _sigterm_raises_system_exit:
@@ -634,6 +675,9 @@ def _run_child_rank(plan_path: str) -> None:
     OmegaConf.set_readonly(hydra_cfg, True)
     HydraConfig.instance().cfg = hydra_cfg
 
+    # rank 0's seed_everything() ran in the task function, which children skip; it left the seed
+    # in the environment, so seed here, before building the module, as rank 0 did
+    reset_seed()
     config = plan.config
     trainer = instantiate(config.trainer)
     module = instantiate(config[plan.module_key])
