@@ -1,0 +1,85 @@
+"""A Hydra sweep of 2 jobs x 2 ranks with HydraFSDP (or HydraDDP), configured with hydra-zen.
+
+    python example_sweep.py -m                        # HydraFSDP, module.lr=0.01,0.05
+    python example_sweep.py -m trainer/strategy=ddp   # the same sweep with HydraDDP
+
+It trains on 2 GPUs when there are 2, else on the CPU with 2 processes (gloo). Every rank of
+every job reports what it trained: rank 0 on the console, rank 1 in <job dir>/rank_1.log.
+"""
+
+import os
+
+import pytorch_lightning as pl
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra_zen import builds, make_config, store, zen
+
+from hydra_fsdp import HydraDDP, HydraFSDP
+
+
+class Regressor(pl.LightningModule):
+    """Defined in the launching script: child ranks still find it as __main__.Regressor."""
+
+    def __init__(self, lr: float = 0.01, width: int = 256):
+        super().__init__()
+        self.lr = lr
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.ReLU(), torch.nn.Linear(width, 1))
+        self.total_parameters = sum(p.numel() for p in self.net.parameters())
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+    def train_dataloader(self):
+        x = torch.randn(512, 16, generator=torch.Generator().manual_seed(0))
+        data = torch.utils.data.TensorDataset(x, x.sum(dim=1, keepdim=True))
+        return torch.utils.data.DataLoader(data, batch_size=32)
+
+    def on_train_end(self):
+        held = sum(p.numel() for p in self.trainer.model.parameters())
+        print(
+            f"rank {self.global_rank}/{self.trainer.world_size} (pid {os.getpid()}) of job"
+            f" {HydraConfig.get().job.num}: lr={self.lr}, {type(self.trainer.strategy).__name__},"
+            f" holds {held} of {self.total_parameters} parameters,"
+            f" loss {self.trainer.callback_metrics['train_loss']:.4f}",
+            flush=True,
+        )
+
+
+two_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+Trainer = builds(
+    pl.Trainer,
+    accelerator="gpu" if two_gpus else "cpu",
+    devices=2,
+    max_epochs=2,
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    default_root_dir="${hydra:runtime.output_dir}",
+    populate_full_signature=True,
+)
+store(builds(HydraFSDP), group="trainer/strategy", name="fsdp")
+store(builds(HydraDDP), group="trainer/strategy", name="ddp")
+store(
+    make_config(
+        hydra_defaults=["_self_", {"trainer/strategy": "fsdp"}],
+        trainer=Trainer,
+        module=builds(Regressor, populate_full_signature=True),
+        hydra={"sweeper": {"params": {"module.lr": "0.01,0.05"}}},
+    ),
+    name="example",
+)
+
+
+def train(trainer: pl.Trainer, module: pl.LightningModule) -> None:
+    trainer.fit(module)
+
+
+if __name__ == "__main__":
+    store.add_to_hydra_store()
+    zen(train).hydra_main(config_name="example", config_path=None, version_base="1.3")
