@@ -44,7 +44,9 @@ starting fails its job at once instead of hanging the rendezvous. A failed rank 
 never the sweep: the other ranks are ended, the error names the rank, its exit code and its log.
 """
 
+import faulthandler
 import inspect
+import logging
 import math
 import os
 import re
@@ -89,6 +91,9 @@ _RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WOR
 _LOG_TAIL_LINES = 20
 # After rank 0 saw a collective fail, how long a child that caused it may take to exit.
 _PEER_EXIT_GRACE = 2.0
+# A child dumps its stack to its log on this signal (faulthandler), before it is ended.
+_STACK_DUMP_SIGNAL = signal.SIGUSR1
+_STACK_DUMP_WAIT = 0.5
 
 
 class RankLaunchError(RuntimeError):
@@ -397,6 +402,15 @@ class _ChildRanks:
         failed = [rank for rank, proc in self.procs.items() if proc.poll() not in (None, 0)]
         return failed[0] if failed else None
 
+    def dump_stacks(self) -> list[int]:
+        """Have every running child write its Python stack to its log; return their ranks."""
+        running = [rank for rank, proc in self.procs.items() if proc.poll() is None]
+        for rank in running:
+            self.procs[rank].send_signal(_STACK_DUMP_SIGNAL)
+        if running:
+            time.sleep(_STACK_DUMP_WAIT)
+        return running
+
     def end(self) -> None:
         """SIGKILL every child still running and reap it: a rank stuck in a collective ignores less."""
         for proc in self.procs.values():
@@ -416,11 +430,20 @@ class _ChildRanks:
         if code is not None and code < 0:
             status += f" (killed by {signal.Signals(-code).name})"
         log = self.log_path(rank)
-        tail = log.read_text(errors="replace").splitlines()[-_LOG_TAIL_LINES:] if log.exists() else []
-        shown = "\n".join("    " + line for line in tail)
+        excerpt = "\n".join("    " + line for line in _log_excerpt(log))
         return f"rank {rank} (pid {proc.pid}, {status}); its log is {log}" + (
-            f", ending with:\n{shown}" if shown else "."
+            f", ending with:\n{excerpt}" if excerpt else "."
         )
+
+
+def _log_excerpt(log: Path) -> list[str]:
+    """The end of a child's log or, if it was dumped before being ended, where its main thread stood."""
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    dumps = [i for i, line in enumerate(lines) if line.endswith("(most recent call first):")]
+    for start, end in reversed(list(zip(dumps, dumps[1:] + [len(lines)]))):
+        if any("_run_child_rank" in line for line in lines[start:end]):
+            return lines[start : start + _LOG_TAIL_LINES]
+    return lines[-_LOG_TAIL_LINES:]
 
 
 class _HydraRankLauncher:
@@ -496,10 +519,26 @@ class _HydraRankLauncher:
             children.end()
             return error
         failed = children.first_failure(grace=_PEER_EXIT_GRACE)
+        if failed is not None:
+            children.end()
+            return ChildRankError(f"Child rank {failed} failed: {children._describe(failed)}")
+        # Rank 0's own error, or a collective that timed out on a child that hangs: rank 0's
+        # traceback stays the story, and each child's log shows where it stood when ended.
+        running = children.dump_stacks()
         children.end()
-        if failed is None:
-            return error  # rank 0's own failure: its traceback is the story
-        return ChildRankError(f"Child rank {failed} failed: {children._describe(failed)}")
+        _add_note(
+            error,
+            "Rank 0 failed while these child ranks were still running; they were ended:\n"
+            + "\n".join(children._describe(rank) for rank in running),
+        )
+        return error
+
+
+def _add_note(error: BaseException, note: str) -> None:
+    if hasattr(error, "add_note"):  # Python 3.11+: printed under the traceback
+        error.add_note(note)
+    else:
+        print(note, file=sys.stderr)
 
 
 def _check_launched_world_size(num_nodes: int, devices: int) -> None:
@@ -666,6 +705,7 @@ def _full_state_dict_in_place(module: torch.nn.Module) -> Any:
 def _run_child_rank(plan_path: str) -> None:
     """Run one child rank: rebuild the job as rank 0 saw it, check in, run rank 0's stage."""
     _exit_with_parent()
+    faulthandler.register(_STACK_DUMP_SIGNAL, all_threads=True)
     plan = _RankPlan.load(plan_path)
     os.chdir(plan.cwd)
     sys.path[:] = list(plan.sys_path)
@@ -686,6 +726,12 @@ def _run_child_rank(plan_path: str) -> None:
         stage_kwargs["datamodule"] = instantiate(config[plan.datamodule_key])
     _check_in()
     getattr(trainer, plan.stage)(module, **stage_kwargs)
+    # Done: exit now. At interpreter shutdown, torch's C++ threads (gloo, the process group an
+    # FSDP module still holds) can abort the process and turn a finished stage into a failure.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _exit_with_parent() -> None:
