@@ -71,12 +71,12 @@ from omegaconf.errors import OmegaConfBaseException
 
 try:
     import pytorch_lightning as pl
-    from pytorch_lightning.plugins.environments import LightningEnvironment
     from lightning_fabric.utilities.seed import reset_seed
+    from pytorch_lightning.plugins.environments import LightningEnvironment
 except ImportError:  # only the unified package is installed
     import lightning.pytorch as pl
-    from lightning.pytorch.plugins.environments import LightningEnvironment
     from lightning.fabric.utilities.seed import reset_seed
+    from lightning.pytorch.plugins.environments import LightningEnvironment
 
 __all__ = ["HydraDDP", "HydraFSDP", "RankLaunchError", "ChildRankError"]
 
@@ -279,7 +279,9 @@ def _stage_call(function: Callable, args: tuple, kwargs: dict, trainer: "pl.Trai
     """Read from rank 0's call what its children must repeat: stage, checkpoint, datamodule."""
     call = inspect.signature(function).bind(*args, **kwargs).arguments
     datamodule = call.get("datamodule")
-    dataloaders = [name for name in ("train_dataloaders", "val_dataloaders", "dataloaders") if call.get(name) is not None]
+    dataloaders = [
+        name for name in ("train_dataloaders", "val_dataloaders", "dataloaders") if call.get(name) is not None
+    ]
     if any(isinstance(call[name], pl.LightningDataModule) for name in dataloaders):
         datamodule = True  # Lightning accepts a datamodule in the dataloaders' place
     elif dataloaders:
@@ -317,7 +319,9 @@ class _ChildRanks:
     children check in through it before anyone blocks in the rendezvous.
     """
 
-    def __init__(self, plan_path: Path, job_dir: Path, num_processes: int, address: str, timeout: float) -> None:
+    def __init__(
+        self, plan_path: Path, job_dir: Path, num_processes: int, address: str, timeout: float
+    ) -> None:
         self.plan_path = plan_path
         self.job_dir = job_dir
         self.num_processes = num_processes
@@ -327,7 +331,9 @@ class _ChildRanks:
         # Port 0: the OS picks a port nobody holds, and we hold it until the stage ends. Never
         # an earlier stage's port: its store may outlive it (an FSDP module keeps its process
         # group), and its stale keys would send this stage's ranks to dead peers.
-        self._store = torch.distributed.TCPStore(address, 0, is_master=True, multi_tenant=True, wait_for_workers=False)
+        self._store = torch.distributed.TCPStore(
+            address, 0, is_master=True, multi_tenant=True, wait_for_workers=False
+        )
         self.port = self._store.port
 
     def log_path(self, rank: int) -> Path:
@@ -354,7 +360,11 @@ class _ChildRanks:
                 time.sleep(delay)
             with open(self.log_path(rank), "ab") as log:
                 self.procs[rank] = subprocess.Popen(
-                    self.command(), env=self.child_env(rank), cwd=os.getcwd(), stdout=log, stderr=subprocess.STDOUT
+                    self.command(),
+                    env=self.child_env(rank),
+                    cwd=os.getcwd(),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
                 )
 
     def wait_until_checked_in(self) -> None:
@@ -463,7 +473,9 @@ class _HydraRankLauncher:
     def is_interactive_compatible(self) -> bool:
         return False
 
-    def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
+    def launch(
+        self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any
+    ) -> Any:
         strategy = self.strategy
         env = strategy.cluster_environment
         if env.creates_processes_externally:
@@ -483,7 +495,9 @@ class _HydraRankLauncher:
         saved_env = {key: os.environ.get(key) for key in _RENDEZVOUS_ENV}
         self.signal_received = None
         job_dir = Path(HydraConfig.get().runtime.output_dir)
-        self.children = _ChildRanks(plan_path, job_dir, strategy.num_processes, env.main_address, strategy.rank_timeout)
+        self.children = _ChildRanks(
+            plan_path, job_dir, strategy.num_processes, env.main_address, strategy.rank_timeout
+        )
         os.environ["MASTER_PORT"] = str(self.children.port)
         if isinstance(env, LightningEnvironment):
             env._main_port = -1  # it caches the first port it read; this stage's is new
@@ -639,7 +653,9 @@ class HydraFSDP(_HydraStrategy, pl.strategies.FSDPStrategy):
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        if self.root_device.type != "cpu" or any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        if self.root_device.type != "cpu" or any(
+            isinstance(m, FullyShardedDataParallel) for m in model.modules()
+        ):
             return super()._setup_model(model)
         # Lightning passes device_id=root_device.index, None on CPU, and torch's FSDP then looks for
         # an accelerator; so wrap here with the CPU device and let Lightning finish the setup.
@@ -674,7 +690,9 @@ class HydraFSDP(_HydraStrategy, pl.strategies.FSDPStrategy):
         with _full_state_dict_in_place(self.model):
             state = FullyShardedDataParallel.optim_state_dict(self.model, optimizer)
         if self.global_rank == 0:
-            state = FullyShardedDataParallel.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_ID, self.model)
+            state = FullyShardedDataParallel.rekey_optim_state_dict(
+                state, OptimStateKeyType.PARAM_ID, self.model
+            )
         return state
 
     def _full_state_dict_on_cpu(self) -> bool:
@@ -688,7 +706,11 @@ def _full_state_dict_in_place(module: torch.nn.Module) -> Any:
     the CPU that frees memory the state dict still points to, and the process segfaults
     (Lightning issue #21804). Rank 0 alone gathers, as Lightning does.
     """
-    from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel, StateDictType
+    from torch.distributed.fsdp import (
+        FullStateDictConfig,
+        FullyShardedDataParallel,
+        StateDictType,
+    )
     from torch.distributed.fsdp.api import FullOptimStateDictConfig
 
     return FullyShardedDataParallel.state_dict_type(
@@ -764,7 +786,10 @@ def _import_launching_script(main: DictConfig) -> None:
 
 def _check_in() -> None:
     store = torch.distributed.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=60)
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timedelta(seconds=60),
     )
     store.set(_CHECK_IN_KEY.format(os.environ["LOCAL_RANK"]), "1")
 

@@ -1,0 +1,194 @@
+"""The app the end-to-end tests sweep: a tiny LightningModule that records what each rank saw.
+
+Every rank writes what it saw to <job dir>/seen/<stage>_rank<N>.json, and its pid and state to
+<job dir>/started/rank<N>.json as soon as its module is built. Failures are injected by
+module.fail_rank / module.fail_how ("<init|train>_<raise|kill|hang>") in job module.fail_job.
+"""
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import hydra
+import pytorch_lightning as pl
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import get_original_cwd, instantiate
+from hydra_zen import builds, make_config, store
+from shapes import Shapes
+
+from hydra_fsdp import HydraDDP, HydraFSDP
+
+STRATEGIES = {"ddp": HydraDDP, "fsdp": HydraFSDP}
+
+
+def job_dir():
+    return Path(HydraConfig.get().runtime.output_dir)
+
+
+def local_rank():
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self, lr=0.1, job=-1, tag="", stamp="", width=64, fail_rank=-1, fail_how="", fail_job=0):
+        super().__init__()
+        self.seen = {"lr": lr, "job": job, "tag": tag, "stamp": stamp}
+        self.fail = (fail_rank if job == fail_job else -1, fail_how)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Linear(width, 1))
+        self.params_total = sum(p.numel() for p in self.net.parameters())
+        started = job_dir() / "started"
+        started.mkdir(exist_ok=True)
+        (started / f"rank{local_rank()}.json").write_text(
+            json.dumps(
+                {
+                    "pid": os.getpid(),
+                    "env": {
+                        k: os.environ.get(k) for k in ("LOCAL_RANK", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK")
+                    },
+                    "process_group": torch.distributed.is_initialized(),
+                    "threads": sorted(t.name for t in threading.enumerate()),
+                }
+            )
+        )
+        self._maybe_fail("init")
+
+    def _maybe_fail(self, when):
+        rank, how = self.fail
+        if rank != local_rank() or not how.startswith(when):
+            return
+        if how.endswith("raise"):
+            raise ValueError(f"injected failure on rank {rank}")
+        if how.endswith("kill"):
+            os.kill(os.getpid(), 9)
+        if how.endswith("hang"):
+            time.sleep(10_000)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, idx):
+        if idx == 2:
+            self._maybe_fail("train")
+        if os.environ.get("APP_SLOW_STEPS"):
+            time.sleep(float(os.environ["APP_SLOW_STEPS"]))
+        x, y = batch
+        return torch.nn.functional.mse_loss(self(x), y)
+
+    def validation_step(self, batch, idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self(x), y), sync_dist=True)
+
+    test_step = validation_step
+
+    def predict_step(self, batch, idx):
+        return self(batch[0])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.seen["lr"])
+
+    def _data(self):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(64, 8, generator=g)
+        return torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8
+        )
+
+    train_dataloader = val_dataloader = test_dataloader = predict_dataloader = _data
+
+    def _record(self, stage):
+        held = [p.detach() for p in self.trainer.model.parameters()]
+        local_sum = torch.tensor(float(sum(p.double().sum() for p in held)), dtype=torch.float64)
+        full_sum = local_sum.clone()
+        torch.distributed.all_reduce(full_sum)
+        datamodule = self.trainer.datamodule
+        seen = dict(
+            self.seen,
+            stage=stage,
+            rank=self.global_rank,
+            world=self.trainer.world_size,
+            cwd=os.getcwd(),
+            output_dir=HydraConfig.get().runtime.output_dir,
+            original_cwd=get_original_cwd(),
+            pid=os.getpid(),
+            strategy=type(self.trainer.strategy).__module__ + "." + type(self.trainer.strategy).__name__,
+            params_held=sum(p.numel() for p in held),
+            params_total=self.params_total,
+            local_weight_sum=float(local_sum),
+            weight_sum=float(full_sum),
+            datamodule=None if datamodule is None else type(datamodule).__name__,
+            master_port=os.environ.get("MASTER_PORT"),
+        )
+        if self.trainer.world_size == 1 or not isinstance(self.trainer.strategy, pl.strategies.FSDPStrategy):
+            seen["weight_sum"] = float(local_sum)
+        out = job_dir() / "seen"
+        out.mkdir(exist_ok=True)
+        (out / f"{stage}_rank{self.global_rank}.json").write_text(json.dumps(seen))
+
+    def on_train_end(self):
+        self._record("fit")
+
+    def on_validation_end(self):
+        if self.trainer.state.fn == "validate":
+            self._record("validate")
+
+    def on_test_end(self):
+        self._record("test")
+
+    def on_predict_end(self):
+        self._record("predict")
+
+
+Trainer = builds(
+    pl.Trainer,
+    accelerator="cpu",
+    devices=2,
+    max_epochs=1,
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    num_sanity_val_steps=0,
+    default_root_dir="${hydra:runtime.output_dir}",
+    callbacks=None,
+    strategy=builds(STRATEGIES[os.environ.get("APP_STRATEGY", "ddp")], rank_timeout=60),
+    populate_full_signature=True,
+)
+Config = make_config(
+    trainer=Trainer,
+    module=builds(
+        Tiny,
+        job="${hydra:job.num}",
+        tag="${hydra:job.override_dirname}",
+        stamp="${now:%H-%M-%S-%f}",
+        populate_full_signature=True,
+    ),
+    datamodule=builds(Shapes),
+    stages=["fit"],
+    use_datamodule=False,
+    # for trainer.callbacks=[${keep_last}]: lets a stage load ckpt_path="last"
+    keep_last=builds(pl.callbacks.ModelCheckpoint, save_last=True),
+)
+
+
+def task(cfg):
+    trainer = instantiate(cfg.trainer)
+    module = instantiate(cfg.module)
+    datamodule = instantiate(cfg.datamodule) if cfg.use_datamodule else None
+    for spec in cfg.stages:
+        # "<stage>[:<same|fresh module>[:<ckpt_path>]]"
+        stage, which, ckpt = (spec.split(":") + ["same", "none"])[:3]
+        if which == "fresh":
+            module = instantiate(cfg.module)
+        kwargs = {} if datamodule is None else {"datamodule": datamodule}
+        if ckpt != "none":
+            kwargs["ckpt_path"] = ckpt
+        getattr(trainer, stage)(module, **kwargs)
+
+
+if __name__ == "__main__":
+    store(Config, name="config")
+    store.add_to_hydra_store()
+    hydra.main(config_name="config", config_path=None, version_base="1.3")(task)()

@@ -1,0 +1,148 @@
+"""Faults and soak: a failing rank fails its job, never the sweep; nothing hangs, nothing is left."""
+
+import os
+import signal
+import time
+
+import pytest
+from helpers import (
+    FAULT_BOUND,
+    SWEEP_TIMEOUT,
+    alive,
+    assert_failed_job_then_healthy_job,
+    assert_ranks_agree,
+    copy_app,
+    ok,
+    records,
+    start_sweep,
+    started_pids,
+    sweep_in,
+    wait_for,
+)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("how", ["train_raise", "train_kill"])
+def test_child_rank_failure_fails_its_job_not_the_sweep(app, strategy, how):
+    proc = sweep_in(
+        app, "module.lr=0.1,0.2", "module.fail_rank=1", f"module.fail_how={how}", strategy=strategy
+    )
+    log = app / "sweep" / "0" / "rank_1.log"
+    code = "exit code 1" if how == "train_raise" else "exit code -9 (killed by SIGKILL)"
+    expected = ["Child rank 1 failed", code, str(log)]
+    if how == "train_raise":
+        expected.append("ValueError: injected failure on rank 1")  # the child's own traceback, quoted
+    assert_failed_job_then_healthy_job(app, proc, 1, expect_in_error=expected)
+    print(f"{strategy} {how}: sweep of 2 jobs took {proc.seconds:.1f} s")
+
+
+def test_child_rank_failure_while_starting_fails_fast(app):
+    proc = sweep_in(app, "module.lr=0.1,0.2", "module.fail_rank=1", "module.fail_how=init_raise")
+    assert_failed_job_then_healthy_job(
+        app, proc, 1, expect_in_error=["Child rank 1 failed", "exit code 1", "injected failure on rank 1"]
+    )
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_rank0_failure_ends_its_children(app, strategy):
+    proc = sweep_in(
+        app, "module.lr=0.1,0.2", "module.fail_rank=0", "module.fail_how=train_raise", strategy=strategy
+    )
+    assert proc.returncode != 0
+    assert "ValueError: injected failure on rank 0" in proc.stderr
+    assert not records(app / "sweep" / "0")
+    assert_ranks_agree(app / "sweep" / "1")
+    for job in ("0", "1"):
+        for rank, pid in started_pids(app / "sweep" / job).items():
+            assert not alive(pid), f"job {job} rank {rank} (pid {pid}) is still running"
+
+
+def test_child_hanging_before_rendezvous_is_bounded_by_rank_timeout(app):
+    proc = sweep_in(
+        app,
+        "module.lr=0.1,0.2",
+        "module.fail_rank=1",
+        "module.fail_how=init_hang",
+        "trainer.strategy.rank_timeout=8",
+    )
+    assert_failed_job_then_healthy_job(
+        app, proc, 1, expect_in_error=["[1] did not reach the process group within 8 s", "rank_timeout"]
+    )
+
+
+def test_child_hanging_in_training_is_bounded_by_the_process_group_timeout(app):
+    proc = sweep_in(
+        app,
+        "module.lr=0.1,0.2",
+        "module.fail_rank=1",
+        "module.fail_how=train_hang",
+        "+trainer.strategy.timeout={_target_:datetime.timedelta,seconds:10}",
+    )
+    log = app / "sweep" / "0" / "rank_1.log"
+    assert_failed_job_then_healthy_job(
+        app,
+        proc,
+        1,
+        expect_in_error=["Timed out", "child ranks were still running", "rank 1 (pid", f"its log is {log}"],
+    )
+    # the log shows where the hung rank stood: its stack, dumped before it was ended
+    assert "in _maybe_fail" in log.read_text()
+
+
+@pytest.mark.parametrize("how", ["SIGTERM to the sweep", "Ctrl-C", "SIGKILL to the sweep"])
+def test_stopping_the_sweep_ends_every_rank(app, how):
+    sweep = start_sweep(app, "module.lr=0.1,0.2", env={"APP_SLOW_STEPS": "1"})
+    job = app / "sweep" / "0"
+    try:
+        wait_for(lambda: len(started_pids(job)) == 2, SWEEP_TIMEOUT, "both ranks of job 0 to start")
+        time.sleep(3)  # into training
+        stopped = time.monotonic()
+        if how == "Ctrl-C":
+            os.killpg(sweep.pid, signal.SIGINT)
+        else:
+            sweep.send_signal(signal.SIGTERM if how.startswith("SIGTERM") else signal.SIGKILL)
+        sweep.wait(timeout=FAULT_BOUND)
+        took = time.monotonic() - stopped
+    finally:
+        if sweep.poll() is None:
+            os.killpg(sweep.pid, signal.SIGKILL)
+    assert sweep.returncode != 0
+    pids = started_pids(job)
+    wait_for(lambda: not any(alive(pid) for pid in pids.values()), 10, f"every rank of job 0 {pids} to end")
+    assert not (app / "sweep" / "1").exists(), "a stopped sweep must not start its next job"
+    print(f"{how}: the sweep ended {took:.1f} s after the signal, rank 1 with it")
+
+
+# --------------------------------------------------------------------------- soak
+
+
+@pytest.mark.slow
+def test_soak_sixteen_jobs(app):
+    lrs = ",".join(str(i / 100) for i in range(1, 17))
+    proc = ok(sweep_in(app, f"module.lr={lrs}", timeout=900))
+    ports = set()
+    for job in range(16):
+        seen = assert_ranks_agree(app / "sweep" / str(job))
+        assert seen[0]["lr"] == (job + 1) / 100 and seen[1]["job"] == job
+        ports.add(seen[1]["master_port"])
+        assert all(not alive(pid) for pid in started_pids(app / "sweep" / str(job)).values())
+    assert len(ports) == 16
+    print(f"16 jobs x 2 ranks: {proc.seconds:.1f} s")
+
+
+@pytest.mark.slow
+def test_soak_two_sweeps_at_once_on_one_machine(tmp_path):
+    apps = [copy_app(tmp_path / name) for name in ("a", "b")]
+    lrs = ",".join(str(i / 100) for i in range(1, 9))
+    started = time.monotonic()
+    sweeps = [start_sweep(app_dir, f"module.lr={lrs}") for app_dir in apps]
+    outputs = [sweep.communicate(timeout=900)[0].decode() for sweep in sweeps]
+    for sweep, output in zip(sweeps, outputs):
+        assert sweep.returncode == 0, output[-4000:]
+    ports = set()
+    for app_dir in apps:
+        for job in range(8):
+            seen = assert_ranks_agree(app_dir / "sweep" / str(job))
+            ports.add(seen[1]["master_port"])
+    assert len(ports) == 16, "no two jobs of the two sweeps may share a port"
+    print(f"2 concurrent sweeps of 8 jobs x 2 ranks: {time.monotonic() - started:.1f} s")

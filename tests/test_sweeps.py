@@ -1,0 +1,204 @@
+"""End to end: real sweeps with real child processes on CPU; assert what every rank saw."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_ranks_agree, copy_app, ok, records, run_app, sweep_in
+
+import hydra_fsdp
+
+# HydraDDP
+
+
+def test_ddp_sweep_every_rank_trains_its_own_job(app):
+    proc = ok(run_app(app, "module.lr=0.1,0.2"))  # Hydra's default timestamped sweep dir
+    sweep_dirs = [p for p in (app / "multirun").glob("*/*") if p.is_dir()]
+    assert len(sweep_dirs) == 1, f"expected one sweep dir, found {sweep_dirs}"
+    sweep = sweep_dirs[0]
+    ports = set()
+    for job, lr in ((0, 0.1), (1, 0.2)):
+        seen = assert_ranks_agree(sweep / str(job))
+        assert seen[0]["lr"] == lr and seen[0]["job"] == job and seen[0]["tag"] == f"module.lr={lr}"
+        assert seen[0]["cwd"] == str(app) and seen[0]["original_cwd"] == str(app)
+        assert seen[0]["params_held"] == seen[0]["params_total"]  # DDP replicates
+        assert seen[0]["weight_sum"] == seen[1]["weight_sum"]  # and keeps replicas equal
+        assert seen[0]["strategy"] == "hydra_fsdp.HydraDDP"
+        ports.add(seen[1]["master_port"])
+        # rank 0's saved config is Hydra's own, untouched; the child's output went to its log
+        assert "_target_: __main__.Tiny" in (sweep / str(job) / ".hydra" / "config.yaml").read_text()
+        assert "GLOBAL_RANK: 1" in (sweep / str(job) / "rank_1.log").read_text()
+    assert len(ports) == 2, "each job must rendezvous on its own port"
+    print(f"2 jobs x 2 ranks, HydraDDP: {proc.seconds:.1f} s")
+
+
+def test_single_run_without_multirun(app):
+    ok(run_app(app, "hydra.run.dir=single", multirun=False))
+    assert_ranks_agree(app / "single")
+
+
+def test_job_dir_full_of_special_characters(app):
+    note = "a=b,[c] $x {y} w\\\\v"
+    ok(
+        sweep_in(
+            app, "hydra.sweep.subdir=${hydra.job.override_dirname}", "module.lr=0.1,0.2", f"+note='{note}'"
+        )
+    )
+    job_dirs = sorted(p for p in (app / "sweep").iterdir() if p.is_dir())
+    assert len(job_dirs) == 2, job_dirs
+    for job_dir in job_dirs:
+        assert all(c in job_dir.name for c in "=,[]${}\\ "), job_dir.name
+        seen = assert_ranks_agree(job_dir)
+        assert seen[1]["output_dir"] == str(job_dir)
+
+
+def test_stages_validate_test_predict_with_a_datamodule(app):
+    ok(sweep_in(app, "stages=[validate,test,predict]", "use_datamodule=true", "module.lr=0.3"))
+    for stage in ("validate", "test", "predict"):
+        seen = assert_ranks_agree(app / "sweep" / "0", stage)
+        assert {r["datamodule"] for r in seen.values()} == {"Shapes"}
+        # every rank evaluates rank 0's weights, though each built its own module
+        assert seen[0]["weight_sum"] == seen[1]["weight_sum"]
+
+
+def test_fit_then_test_on_one_trainer_evaluates_rank0_weights(app):
+    ok(sweep_in(app, "stages=[fit,test]"))
+    fit, tested = records(app / "sweep" / "0", "fit"), assert_ranks_agree(app / "sweep" / "0", "test")
+    assert tested[0]["weight_sum"] == tested[1]["weight_sum"] == fit[0]["weight_sum"]
+    assert (app / "sweep" / "0" / "rank_1.log").read_text().count(
+        "GLOBAL_RANK: 1"
+    ) == 2  # one child per stage
+
+
+# --------------------------------------------------------------------------- end to end: HydraFSDP
+
+
+def test_fsdp_sweep_shards_parameters_on_cpu(app):
+    proc = ok(sweep_in(app, "module.lr=0.1,0.2", strategy="fsdp"))
+    for job, lr in ((0, 0.1), (1, 0.2)):
+        seen = assert_ranks_agree(app / "sweep" / str(job))
+        total = seen[0]["params_total"]
+        held = [seen[r]["params_held"] for r in (0, 1)]
+        assert sum(held) == total and all(abs(h - total / 2) <= 1 for h in held), (held, total)
+        assert seen[0]["strategy"] == "hydra_fsdp.HydraFSDP" and seen[0]["lr"] == lr
+    print(f"2 jobs x 2 ranks, HydraFSDP: {proc.seconds:.1f} s")
+
+
+def test_fsdp_checkpoint_saves_and_loads_on_cpu(app):
+    ok(
+        sweep_in(
+            app,
+            "trainer.enable_checkpointing=true",
+            "trainer.callbacks=[${keep_last}]",
+            "stages=[fit,test:fresh:last,validate:fresh:best]",
+            strategy="fsdp",
+        )
+    )
+    job = app / "sweep" / "0"
+    fit = records(job, "fit")
+    checkpoints = {p.name for p in (job / "checkpoints").iterdir()}
+    assert "last.ckpt" in checkpoints and len(checkpoints) == 2, checkpoints
+    for stage in ("test", "validate"):
+        seen = assert_ranks_agree(job, stage)
+        # the checkpoint holds the trained weights; every rank loaded its shard of them
+        assert seen[0]["weight_sum"] == pytest.approx(fit[0]["weight_sum"], rel=1e-6)
+        assert seen[0]["local_weight_sum"] == pytest.approx(fit[0]["local_weight_sum"], rel=1e-6)
+    # "best" was resolved on rank 0 to a real file, and that is what the children were given
+    plan = hydra_fsdp.OmegaConf.load(job / ".hydra" / "rank_plan.yaml")
+    assert plan.stage == "validate" and Path(plan.ckpt_path).is_file() and Path(plan.ckpt_path).is_absolute()
+
+
+def test_fsdp_second_stage_on_a_used_module_fails_fast_naming_ckpt_path(app):
+    proc = sweep_in(app, "stages=[fit,test]", strategy="fsdp")
+    assert proc.returncode != 0
+    assert "RankLaunchError" in proc.stderr and "ckpt_path" in proc.stderr
+    assert assert_ranks_agree(app / "sweep" / "0", "fit")
+    assert not records(app / "sweep" / "0", "test")
+    # one child, for fit; none was started for the refused test stage
+    assert (app / "sweep" / "0" / "rank_1.log").read_text().count("GLOBAL_RANK: 1") == 1
+
+
+# --------------------------------------------------------------------------- where targets live
+
+
+def test_hydra_zen_launch_multirun_from_python(tmp_path, monkeypatch):
+    monkeypatch.setenv(hydra_fsdp.LAUNCH_DELAY_ENV, "0")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    copy_app(tmp_path)
+    (tmp_path / "app.py").rename(tmp_path / "lzapp.py")
+    monkeypatch.setenv("APP_STRATEGY", "ddp")
+    import importlib
+
+    from hydra_zen import launch
+
+    lzapp = importlib.import_module("lzapp")
+    jobs = launch(
+        lzapp.Config,
+        lzapp.task,
+        overrides=["module.lr=0.1,0.2", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+        multirun=True,
+        version_base="1.3",
+    )
+    assert [job.status.name for job in jobs[0]] == ["COMPLETED", "COMPLETED"]
+    for job, lr in ((0, 0.1), (1, 0.2)):
+        seen = assert_ranks_agree(tmp_path / "sweep" / str(job))
+        assert seen[1]["lr"] == lr and seen[1]["job"] == job
+    assert not torch.distributed.is_initialized()
+    for key in hydra_fsdp._RENDEZVOUS_ENV:
+        assert key not in os.environ
+
+
+def test_copied_into_a_user_package(app):
+    third_party = app / "myproj" / "third_party"
+    third_party.mkdir(parents=True)
+    for package in (app / "myproj", third_party):
+        (package / "__init__.py").write_text("")
+    (third_party / "hydra_fsdp.py").write_text(Path(hydra_fsdp.__file__).read_text())
+    target = "myproj.third_party.hydra_fsdp.HydraFSDP"
+    ok(run_app(app, "hydra.sweep.dir=sweep", "module.lr=0.1", f"trainer.strategy._target_={target}"))
+    seen = assert_ranks_agree(app / "sweep" / "0")
+    assert seen[1]["strategy"] == target
+    plan = hydra_fsdp.OmegaConf.load(app / "sweep" / "0" / ".hydra" / "rank_plan.yaml")
+    assert plan.config.trainer.strategy._target_ == target
+
+
+# --------------------------------------------------------------------------- bad input, end to end
+
+
+def test_bad_input_fails_fast_and_leaves_no_process(app):
+    proc = sweep_in(app, "hydra.output_subdir=null", "module.lr=0.1,0.2", timeout=120)
+    assert proc.returncode != 0
+    assert "hydra.output_subdir is null" in proc.stderr
+    for job in ("0", "1"):
+        assert not (app / "sweep" / job / "rank_1.log").exists()
+    assert proc.seconds < 60
+
+
+# --------------------------------------------------------------------------- 2 GPUs
+
+
+def two_gpus():
+    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not two_gpus(), reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_gpu_sweep(app, strategy):
+    ok(
+        sweep_in(
+            app,
+            "module.lr=0.1,0.2",
+            "trainer.accelerator=gpu",
+            "trainer.enable_checkpointing=true",
+            "stages=[fit,test:fresh:last]",
+            strategy=strategy,
+        )
+    )
+    for job in ("0", "1"):
+        seen = assert_ranks_agree(app / "sweep" / job)
+        if strategy == "fsdp":
+            assert sum(r["params_held"] for r in seen.values()) == seen[0]["params_total"]
+        assert_ranks_agree(app / "sweep" / job, "test")
