@@ -45,6 +45,9 @@ never the sweep: the other ranks are ended, the error names the rank, its exit c
 """
 
 import faulthandler
+import functools
+import importlib
+import importlib.util
 import inspect
 import logging
 import math
@@ -69,16 +72,12 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-try:
-    import pytorch_lightning as pl
-    from lightning_fabric.utilities.seed import reset_seed
-    from pytorch_lightning.plugins.environments import LightningEnvironment
-except ImportError:  # only the unified package is installed
-    import lightning.pytorch as pl
-    from lightning.fabric.utilities.seed import reset_seed
-    from lightning.pytorch.plugins.environments import LightningEnvironment
+__all__ = ["HydraDDP", "HydraFSDP", "RankLaunchError", "ChildRankError"]  # noqa: F822 - built on first use
 
-__all__ = ["HydraDDP", "HydraFSDP", "RankLaunchError", "ChildRankError"]
+# The Lightning namespaces, by the name a user reaches them under: ``hydra_fsdp.HydraDDP`` is
+# built on the first one installed, ``hydra_fsdp.lightning.HydraDDP`` on ``lightning.pytorch``.
+_NAMESPACES = {"pytorch_lightning": "pytorch_lightning", "lightning": "lightning.pytorch"}
+_PIP_NAMES = {"pytorch_lightning": "pytorch-lightning", "lightning": "lightning"}
 
 LAUNCH_DELAY_ENV = "MUSHIN_DDP_LAUNCH_DELAY"
 DEFAULT_LAUNCH_DELAY = 1.0
@@ -88,6 +87,9 @@ _CHECK_IN_KEY = "hydra_fsdp/ready/{}"
 # What a launch sets in rank 0's environment; restored afterwards so the next job of the
 # sweep neither reuses this job's port nor mistakes itself for a child (``LOCAL_RANK``).
 _RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
+# Set in the environment of the child ranks hydra_fsdp starts: the plan they run.
+_PLAN_ENV = "HYDRA_FSDP_PLAN"
+_DIFFERENCES_SHOWN = 5
 _LOG_TAIL_LINES = 20
 # After rank 0 saw a collective fail, how long a child that caused it may take to exit.
 _PEER_EXIT_GRACE = 2.0
@@ -243,13 +245,14 @@ class _RankPlan:
         self.data = data
 
     @classmethod
-    def for_stage(cls, trainer: "pl.Trainer", stage_call: dict, keys: dict) -> "_RankPlan":
+    def for_stage(cls, lightning: types.ModuleType, stage_call: dict, keys: dict) -> "_RankPlan":
         required = (keys["module_key"],) + ((keys["datamodule_key"],) if stage_call["datamodule"] else ())
         config = _load_saved_config(_saved_config_path(), ("trainer",) + required)
         process = {
             "stage": stage_call["stage"],
             "ckpt_path": stage_call["ckpt_path"],
             "datamodule": stage_call["datamodule"],
+            "lightning": lightning.__name__,
             "module_key": keys["module_key"],
             "datamodule_key": keys["datamodule_key"],
             "cwd": os.getcwd(),
@@ -275,14 +278,14 @@ class _RankPlan:
         return OmegaConf.load(path)
 
 
-def _stage_call(function: Callable, args: tuple, kwargs: dict, trainer: "pl.Trainer") -> dict:
+def _stage_call(function: Callable, args: tuple, kwargs: dict, trainer: Any) -> dict:
     """Read from rank 0's call what its children must repeat: stage, checkpoint, datamodule."""
     call = inspect.signature(function).bind(*args, **kwargs).arguments
     datamodule = call.get("datamodule")
     dataloaders = [
         name for name in ("train_dataloaders", "val_dataloaders", "dataloaders") if call.get(name) is not None
     ]
-    if any(isinstance(call[name], pl.LightningDataModule) for name in dataloaders):
+    if any(isinstance(call[name], trainer.strategy._lightning.LightningDataModule) for name in dataloaders):
         datamodule = True  # Lightning accepts a datamodule in the dataloaders' place
     elif dataloaders:
         raise RankLaunchError(
@@ -349,6 +352,7 @@ class _ChildRanks:
             WORLD_SIZE=str(self.num_processes),
             PYTHONUNBUFFERED="1",  # a killed child's log must still hold its last words
         )
+        env[_PLAN_ENV] = str(self.plan_path)
         return env
 
     def command(self) -> list[str]:
@@ -473,9 +477,7 @@ class _HydraRankLauncher:
     def is_interactive_compatible(self) -> bool:
         return False
 
-    def launch(
-        self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any
-    ) -> Any:
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         strategy = self.strategy
         env = strategy.cluster_environment
         if env.creates_processes_externally:
@@ -491,7 +493,7 @@ class _HydraRankLauncher:
         delay = _launch_delay()
         stage_call = _stage_call(function, args, kwargs, trainer)
         strategy._check_stage(stage_call)
-        plan_path = _RankPlan.for_stage(trainer, stage_call, strategy._config_keys).save()
+        plan_path = _RankPlan.for_stage(strategy._lightning, stage_call, strategy._config_keys).save()
         saved_env = {key: os.environ.get(key) for key in _RENDEZVOUS_ENV}
         self.signal_received = None
         job_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -499,7 +501,7 @@ class _HydraRankLauncher:
             plan_path, job_dir, strategy.num_processes, env.main_address, strategy.rank_timeout
         )
         os.environ["MASTER_PORT"] = str(self.children.port)
-        if isinstance(env, LightningEnvironment):
+        if isinstance(env, _lightning_environment_class(strategy._lightning)):
             env._main_port = -1  # it caches the first port it read; this stage's is new
         try:
             with _sigterm_raises_system_exit():
@@ -546,6 +548,10 @@ class _HydraRankLauncher:
             + "\n".join(children._describe(rank) for rank in running),
         )
         return error
+
+
+def _lightning_environment_class(lightning: types.ModuleType) -> type:
+    return importlib.import_module(f"{lightning.__name__}.plugins.environments").LightningEnvironment
 
 
 def _add_note(error: BaseException, note: str) -> None:
@@ -597,7 +603,13 @@ def _restore_env(saved: dict) -> None:
 
 
 class _HydraStrategy:
-    """What HydraDDP and HydraFSDP share: the launcher, the config contract, a clean teardown."""
+    """What HydraDDP and HydraFSDP share: the launcher, the config contract, a clean teardown.
+
+    Mixed in before Lightning's ``DDPStrategy`` or ``FSDPStrategy`` of one Lightning namespace;
+    ``_lightning`` is that namespace's package (``pytorch_lightning`` or ``lightning.pytorch``).
+    """
+
+    _lightning: types.ModuleType
 
     def __init__(
         self,
@@ -617,14 +629,25 @@ class _HydraStrategy:
     def _check_stage(self, stage_call: dict) -> None:
         """Refuse, before any child starts, a stage whose ranks would not hold the same model."""
 
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self._ranks_started_by_engine():
+            _check_ranks_agree(self.global_rank, self.world_size)
+
+    def _ranks_started_by_engine(self) -> bool:
+        """Whether torchrun, SLURM or the like started every rank, each running its own Hydra job."""
+        return self.cluster_environment.creates_processes_externally and _PLAN_ENV not in os.environ
+
     def teardown(self) -> None:
         super().teardown()
-        # Lightning leaves the process group up; the next job of the sweep must build its own.
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # Lightning leaves the process group up. Ours goes: the next job starts its own ranks on
+        # a new port. An engine's stays: the next job reuses its ranks and its store, where a new
+        # group would find the old group's keys.
+        if not self._ranks_started_by_engine() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
 
-class HydraDDP(_HydraStrategy, pl.strategies.DDPStrategy):
+class _HydraDDP(_HydraStrategy):
     """Lightning's ``DDPStrategy``, with every child rank started from the Hydra job's saved config.
 
     Extra arguments: ``rank_timeout`` (seconds a child may take to reach the process group, and
@@ -633,7 +656,7 @@ class HydraDDP(_HydraStrategy, pl.strategies.DDPStrategy):
     """
 
 
-class HydraFSDP(_HydraStrategy, pl.strategies.FSDPStrategy):
+class _HydraFSDP(_HydraStrategy):
     """Lightning's ``FSDPStrategy``, started like HydraDDP, and able to shard on CPU over gloo.
 
     Extra arguments as HydraDDP's; the rest is FSDPStrategy's.
@@ -721,6 +744,98 @@ def _full_state_dict_in_place(module: torch.nn.Module) -> Any:
     )
 
 
+def _check_ranks_agree(rank: int, world_size: int) -> None:
+    """Fail the job if its ranks, each resolving its own Hydra job, disagree on what it is.
+
+    Under torchrun or SLURM every process composes the sweep itself; anything it computes alone
+    (a ``${now:...}`` a second apart, a random seed) would split one job's ranks across output
+    dirs or configs. They compare what they resolved, once the process group is up.
+    """
+    mine = _resolved_job()
+    everyone: list = [None] * world_size
+    torch.distributed.all_gather_object(everyone, mine)
+    differing = sorted({key for theirs in everyone for key in _differing_keys(mine, theirs)})
+    if not differing:
+        return
+    shown = [
+        f"  {key}: "
+        + ", ".join(f"rank {r} {_flat(job).get(key, '<missing>')!r}" for r, job in enumerate(everyone))
+        for key in differing[:_DIFFERENCES_SHOWN]
+    ]
+    raise RankLaunchError(
+        "The ranks of this job, each started by the external launcher and each resolving the Hydra"
+        " job on its own, disagree on it:\n" + "\n".join(shown) + "\nMake every process resolve the"
+        " same values: no ${now:...} or random values in hydra.sweep.dir, hydra.run.dir or the config;"
+        " use a value the launcher gives every process alike, e.g."
+        " hydra.sweep.dir=multirun/${oc.env:SLURM_JOB_ID} or ${oc.env:TORCHELASTIC_RUN_ID}."
+    )
+
+
+def _resolved_job() -> dict:
+    live = _live_job_config() if HydraConfig.initialized() else None
+    return {
+        "hydra.runtime.output_dir": HydraConfig.get().runtime.output_dir
+        if HydraConfig.initialized()
+        else None,
+        "config": {} if live is None else _resolved_where_possible(live),
+    }
+
+
+def _flat(tree: Any, prefix: str = "") -> dict:
+    if isinstance(tree, dict):
+        return {k: v for key, item in tree.items() for k, v in _flat(item, f"{prefix}{key}.").items()}
+    if isinstance(tree, list):
+        return {k: v for i, item in enumerate(tree) for k, v in _flat(item, f"{prefix}{i}.").items()}
+    return {prefix.rstrip("."): tree}
+
+
+def _differing_keys(one: dict, other: dict) -> set:
+    one, other = _flat(one), _flat(other)
+    return {key for key in one.keys() | other.keys() if one.get(key) != other.get(key)}
+
+
+@functools.lru_cache(maxsize=None)
+def _strategies_for(namespace: str) -> types.SimpleNamespace:
+    """Build HydraDDP and HydraFSDP on one Lightning namespace: each Trainer takes only its own."""
+    try:
+        lightning = importlib.import_module(_NAMESPACES[namespace])
+    except ImportError as error:
+        raise ImportError(
+            f"hydra_fsdp.{namespace} needs the {_PIP_NAMES[namespace]} package, which is not installed:"
+            f" pip install {_PIP_NAMES[namespace]}."
+        ) from error
+    where = "" if namespace == _default_namespace() else f"{namespace}."
+
+    def build(name: str, mixin: type, base: type) -> type:
+        attributes = {"__module__": __name__, "__qualname__": where + name, "__doc__": mixin.__doc__}
+        return type(name, (mixin, base), dict(attributes, _lightning=lightning))
+
+    return types.SimpleNamespace(
+        HydraDDP=build("HydraDDP", _HydraDDP, lightning.strategies.DDPStrategy),
+        HydraFSDP=build("HydraFSDP", _HydraFSDP, lightning.strategies.FSDPStrategy),
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _default_namespace() -> str:
+    for namespace, package in _NAMESPACES.items():
+        if importlib.util.find_spec(package.split(".")[0]) is not None:
+            return namespace
+    raise ImportError(
+        "hydra_fsdp needs Lightning, and neither pytorch-lightning nor lightning is installed:"
+        " pip install pytorch-lightning (or lightning)."
+    )
+
+
+def __getattr__(name: str) -> Any:
+    """Build the strategies on first use: importing hydra_fsdp imports no Lightning."""
+    if name in _NAMESPACES:
+        return _strategies_for(name)
+    if name in ("HydraDDP", "HydraFSDP"):
+        return getattr(_strategies_for(_default_namespace()), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 # --------------------------------------------------------------------------- a child rank
 
 
@@ -737,9 +852,7 @@ def _run_child_rank(plan_path: str) -> None:
     OmegaConf.set_readonly(hydra_cfg, True)
     HydraConfig.instance().cfg = hydra_cfg
 
-    # rank 0's seed_everything() ran in the task function, which children skip; it left the seed
-    # in the environment, so seed here, before building the module, as rank 0 did
-    reset_seed()
+    _seed_like_rank_zero(importlib.import_module(plan.lightning))
     config = plan.config
     trainer = instantiate(config.trainer)
     module = instantiate(config[plan.module_key])
@@ -754,6 +867,14 @@ def _run_child_rank(plan_path: str) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _seed_like_rank_zero(lightning: types.ModuleType) -> None:
+    """Rank 0's ``seed_everything()`` ran in the task function, which children skip; it left the
+    seed in the environment, so seed here, before the module is built, as rank 0 did."""
+    seed = os.environ.get("PL_GLOBAL_SEED")
+    if seed is not None:
+        lightning.seed_everything(int(seed), workers=os.environ.get("PL_SEED_WORKERS") == "1")
 
 
 def _exit_with_parent() -> None:

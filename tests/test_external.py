@@ -1,0 +1,102 @@
+"""External launchers: torchrun starts every rank, each running the whole sweep; we step aside.
+
+Each process composes the sweep itself, so every job must still train with the full world size
+on one output dir and config, reuse the engine's rendezvous job after job, and fail fast (not
+hang) when the launched world does not match ``num_nodes x devices``.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers import SWEEP_TIMEOUT, assert_ranks_agree, records
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(app_dir, *overrides, nnodes=1, nproc=2, strategy="ddp", timeout=SWEEP_TIMEOUT):
+    """Run the sweep under torchrun: ``nnodes`` agents on 127.0.0.1, ``nproc`` processes each."""
+    env = dict(os.environ, MUSHIN_DDP_LAUNCH_DELAY="0", APP_STRATEGY=strategy, HYDRA_FULL_ERROR="1")
+    env.pop("PYTHONPATH", None)
+    port = free_port()
+    agents = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
+             f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}",
+             "app.py", "-m", "hydra.sweep.dir=sweep", *overrides],
+            cwd=app_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for node in range(nnodes)
+    ]  # fmt: skip
+    started = time.monotonic()
+    outputs = [agent.communicate(timeout=timeout)[0] for agent in agents]
+    seconds = time.monotonic() - started
+    return [agent.returncode for agent in agents], "\n".join(outputs), seconds
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("nnodes, nproc", [(1, 2), (2, 1)], ids=["1 node x 2", "2 nodes x 1"])
+def test_torchrun_sweep(app, strategy, nnodes, nproc):
+    codes, output, seconds = torchrun(
+        app,
+        "module.lr=0.1,0.2",
+        "module.stamp=same-on-every-rank",  # ${now:%f} would differ per process: see the next tests
+        f"trainer.num_nodes={nnodes}",
+        f"trainer.devices={nproc}",
+        nnodes=nnodes,
+        nproc=nproc,
+        strategy=strategy,
+    )
+    assert codes == [0] * nnodes, output[-6000:]
+    engine_env = None
+    for job, lr in ((0, 0.1), (1, 0.2)):
+        job_dir = app / "sweep" / str(job)
+        seen = assert_ranks_agree(job_dir)  # both ranks, one output dir, one config, world size 2
+        assert seen[0]["lr"] == seen[1]["lr"] == lr and seen[1]["job"] == job
+        assert not (job_dir / "rank_1.log").exists(), "under torchrun HydraDDP/HydraFSDP start no process"
+        if strategy == "fsdp":
+            assert seen[0]["params_held"] + seen[1]["params_held"] == seen[0]["params_total"]
+        # the engine's rendezvous is reused job after job, its environment left as it set it
+        start = json.loads((job_dir / "started" / "rank0.json").read_text())
+        assert start["env"]["WORLD_SIZE"] == "2" and start["env"]["MASTER_PORT"] is not None
+        engine_env = engine_env or start["env"]
+        assert start["env"] == engine_env
+    print(f"torchrun {nnodes} node(s) x {nproc}, {strategy}, 2 jobs: {seconds:.1f} s")
+
+
+def test_torchrun_world_size_mismatch_fails_fast(app):
+    codes, output, seconds = torchrun(app, "module.lr=0.1", nnodes=1, nproc=1, timeout=120)
+    assert codes != [0]
+    assert "RankLaunchError" in output
+    assert "started 1 processes" in output and "num_nodes x devices = 1 x 2 = 2" in output
+    assert seconds < 60, f"took {seconds:.0f} s: it must fail before any rendezvous"
+    assert not records(app / "sweep" / "0")
+
+
+def test_ranks_that_resolve_different_configs_fail_at_setup(app):
+    # the app's config holds stamp=${now:%H-%M-%S-%f}: each process resolves its own present
+    codes, output, seconds = torchrun(app, "module.lr=0.1", timeout=120)
+    assert codes != [0]
+    assert "disagree on it" in output and "module.stamp: rank 0 '" in output
+    assert "hydra.runtime.output_dir" not in output.split("disagree on it")[1].split("Make every")[0]
+    assert not records(app / "sweep" / "0")
+    assert seconds < 90
+
+
+def test_ranks_that_resolve_different_job_dirs_fail_at_setup(app):
+    # each process resolves its own sweep dir: the split a ${now:...} a second apart causes
+    codes, output, seconds = torchrun(
+        app, "hydra.sweep.dir=sweep_${oc.env:RANK}", "module.stamp=same", "module.lr=0.1", timeout=120
+    )
+    assert codes != [0]
+    assert "hydra.runtime.output_dir: rank 0 " in output and "sweep_0/0" in output and "sweep_1/0" in output
+    assert not records(app / "sweep_0" / "0") and not records(app / "sweep_1" / "0")
+    assert seconds < 90
