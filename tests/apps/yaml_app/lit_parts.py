@@ -1,0 +1,64 @@
+"""The model and data of the YAML app, on the unified ``lightning`` package's namespace."""
+
+import json
+import logging
+import os
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as L
+import torch
+from hydra.core.hydra_config import HydraConfig
+
+log = logging.getLogger(__name__)
+
+
+class TinyModel(L.LightningModule):
+    def __init__(self, lr: float = 0.1):
+        super().__init__()
+        self.lr = lr
+        self.net = torch.nn.Linear(8, 1)
+
+    def training_step(self, batch, idx):
+        if idx == 0:
+            warnings.warn("a warning that every rank raises")
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def test_step(self, batch, idx):
+        x, y = batch
+        self.log("test_loss", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    def on_train_end(self):
+        log.warning(f"rank {self.global_rank} of {self.trainer.world_size}: trained")
+        self._record("fit")
+
+    def on_test_end(self):
+        self._record("test")
+
+    def _record(self, stage):
+        seen = {
+            "rank": self.global_rank,
+            "world": self.trainer.world_size,
+            "lr": self.lr,
+            "output_dir": HydraConfig.get().runtime.output_dir,
+            "strategy": f"{type(self.trainer.strategy).__module__}.{type(self.trainer.strategy).__qualname__}",
+            "trainer": type(self.trainer).__module__,
+            "datamodule": type(self.trainer.datamodule).__name__,
+            "pid": os.getpid(),
+            "weight_sum": float(sum(p.detach().sum() for p in self.parameters())),
+        }
+        out = Path(seen["output_dir"], "seen")
+        out.mkdir(exist_ok=True)
+        (out / f"{stage}_rank{self.global_rank}.json").write_text(json.dumps(seen))
+
+
+class ShapesData(L.LightningDataModule):
+    def _loader(self):
+        x = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+
+    train_dataloader = test_dataloader = _loader

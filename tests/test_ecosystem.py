@@ -1,0 +1,123 @@
+"""Both Lightning namespaces, a plain-YAML app in the lightning-hydra-template shape, and logs.
+
+"Installed alone" is checked by hiding the other package from every process of the sweep, child
+ranks included (a ``sitecustomize`` that makes its import fail, as a missing package's does).
+"""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import APPS, SWEEP_TIMEOUT, assert_ranks_agree, ok, records, run_app
+
+PYTORCH_LIGHTNING = ("pytorch_lightning", "lightning_fabric")
+LIGHTNING = ("lightning", "lightning.pytorch", "lightning.fabric")
+
+
+def hide(tmp_path, packages):
+    """An environment in which ``packages`` cannot be imported, for every process it reaches."""
+    site = tmp_path / "hidden"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import sys\n" + "".join(f"sys.modules[{name!r}] = None\n" for name in packages)
+    )
+    return {"PYTHONPATH": str(site)}
+
+
+@pytest.fixture
+def yaml_app(tmp_path):
+    return Path(shutil.copytree(APPS / "yaml_app", tmp_path / "proj"))
+
+
+def run_yaml(proj, *overrides, env=None, timeout=SWEEP_TIMEOUT):
+    command = [sys.executable, "train.py", "-m", "hydra.sweep.dir=sweep", *overrides]
+    full_env = {**__import__("os").environ, "MUSHIN_DDP_LAUNCH_DELAY": "0", "HYDRA_FULL_ERROR": "1"}
+    full_env.pop("PYTHONPATH", None)
+    full_env.update(env or {})
+    return subprocess.run(command, cwd=proj, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def assert_yaml_job(job_dir, strategy, stages=("fit", "test")):
+    for stage in stages:
+        seen = records(job_dir, stage)
+        assert sorted(seen) == [0, 1], f"{stage}: ranks {sorted(seen)}"
+        for rank in seen.values():
+            assert rank["world"] == 2 and rank["output_dir"] == str(job_dir)
+            assert rank["strategy"] == strategy
+            assert rank["trainer"] == "lightning.pytorch.trainer.trainer"
+            assert rank["datamodule"] == "ShapesData"
+        assert seen[0]["lr"] == seen[1]["lr"] and seen[0]["pid"] != seen[1]["pid"]
+    if "test" in stages:
+        tested = records(job_dir, "test")
+        assert tested[0]["weight_sum"] == tested[1]["weight_sum"]
+
+
+def test_yaml_app_with_model_and_data_groups_on_lightning_namespace(yaml_app):
+    proc = ok(run_yaml(yaml_app, "model.lr=0.1,0.2"))
+    for job, lr in ((0, 0.1), (1, 0.2)):
+        assert_yaml_job(yaml_app / "sweep" / str(job), "hydra_fsdp.lightning.HydraDDP")
+        assert records(yaml_app / "sweep" / str(job))[1]["lr"] == lr
+    # the child's plan says where the module and the data are
+    assert "module_key: model" in (yaml_app / "sweep" / "0" / ".hydra" / "rank_plan.yaml").read_text()
+    assert proc.returncode == 0
+
+
+def test_yaml_app_with_hydra_fsdp_on_lightning_namespace(yaml_app):
+    ok(run_yaml(yaml_app, "trainer.strategy._target_=hydra_fsdp.lightning.HydraFSDP", "test=false"))
+    assert_yaml_job(yaml_app / "sweep" / "0", "hydra_fsdp.lightning.HydraFSDP", stages=("fit",))
+
+
+def test_missing_module_key_error_says_how_to_name_it(yaml_app):
+    proc = run_yaml(yaml_app, "~trainer.strategy.module_key", timeout=120)
+    assert proc.returncode != 0
+    assert "has no 'module' key" in proc.stderr and "module_key='model'" in proc.stderr
+    assert "it has: test, trainer, model, data)" in proc.stderr
+    assert not (yaml_app / "sweep" / "0" / "rank_1.log").exists()
+
+
+def test_child_logs_go_to_their_own_file_not_the_console(yaml_app):
+    proc = ok(run_yaml(yaml_app, "model.lr=0.1,0.2", "test=false"))
+    console = proc.stdout + proc.stderr
+    assert console.count("rank 0 of 2: trained") == 2 and "rank 1 of 2" not in console
+    assert "GLOBAL_RANK: 1" not in console and "GLOBAL_RANK: 0" in console
+    # each job's warning is shown once, by rank 0; the child's copy is in the child's log
+    assert console.count("a warning that every rank raises") == 2
+    for job in ("0", "1"):
+        job_dir = yaml_app / "sweep" / job
+        child_log = (job_dir / "rank_1.log").read_text()
+        assert "rank 1 of 2: trained" in child_log and "a warning that every rank raises" in child_log
+        rank0_log = (job_dir / "train.log").read_text()  # Hydra's job log: rank 0's alone
+        assert "rank 0 of 2: trained" in rank0_log and "rank 1 of 2" not in rank0_log
+        assert sorted(p.name for p in job_dir.glob("*.log")) == ["rank_1.log", "train.log"]
+
+
+def test_pytorch_lightning_installed_alone(app, tmp_path):
+    ok(run_app(app, "hydra.sweep.dir=sweep", "module.lr=0.1", env=hide(tmp_path, LIGHTNING)))
+    seen = assert_ranks_agree(app / "sweep" / "0")
+    assert seen[1]["strategy"] == "hydra_fsdp.HydraDDP"
+
+
+def test_lightning_installed_alone(yaml_app, tmp_path):
+    # hydra_fsdp.HydraDDP is built on the only namespace there is
+    ok(run_yaml(yaml_app, "trainer.strategy._target_=hydra_fsdp.HydraDDP", env=hide(tmp_path, PYTORCH_LIGHTNING)))
+    assert_yaml_job(yaml_app / "sweep" / "0", "hydra_fsdp.HydraDDP")
+
+
+def test_no_lightning_installed_is_a_clear_error(tmp_path):
+    env = {**__import__("os").environ, **hide(tmp_path, PYTORCH_LIGHTNING + LIGHTNING)}
+    code = "import hydra_fsdp\ntry:\n    hydra_fsdp.HydraDDP\nexcept ImportError as e:\n    print(e)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert "neither pytorch-lightning nor lightning is installed" in out.stdout, out.stderr
+    assert "pip install pytorch-lightning" in out.stdout
+    code = "import hydra_fsdp\ntry:\n    hydra_fsdp.lightning\nexcept ImportError as e:\n    print(e)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert "needs the lightning package" in out.stdout, out.stderr
+
+
+def test_importing_hydra_fsdp_imports_no_lightning():
+    code = "import sys, hydra_fsdp; print(sorted(m for m in sys.modules if 'lightning' in m))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

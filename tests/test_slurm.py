@@ -1,0 +1,165 @@
+"""End to end on a real SLURM: a Hydra sweep through hydra-submitit-launcher, 2 tasks per job.
+
+SLURM (srun) starts both ranks of every job; HydraDDP/HydraFSDP spawn nothing and train with
+SLURM's ranks (Lightning's SLURMEnvironment). The cluster is real: munged, slurmctld and slurmd
+on this host (tests/slurm_cluster.py). Skipped where SLURM or hydra-submitit-launcher is not
+installed, unless HYDRA_FSDP_REQUIRE_SLURM=1 (CI), which turns the skip into a failure.
+
+Two things the app needs under submitit, whatever the strategy:
+- ``_target_``s importable by the job: submitit runs each task as ``python -m
+  submitit.core._submit``, where ``__main__`` is submitit, so ``__main__.Tiny`` cannot be located.
+  The job runs in the submit directory, so the app's own module name works: ``app.Tiny``.
+- every task resolves the job's config on its own: a ``${now:...}`` differs between ranks (the
+  strategy refuses such a job), so the stamp is pinned.
+"""
+
+import importlib.util
+import os
+import re
+
+import pytest
+from helpers import assert_ranks_agree, records, sweep_in
+from slurm_cluster import SlurmUnavailable, start_cluster
+
+SLURM_SWEEP_TIMEOUT = 240  # seconds; 2 jobs, one after the other on 2 cores, take about 30 s
+FAIL_FAST_BOUND = 120  # seconds within which a misconfigured job must have failed the sweep
+REQUIRED = os.environ.get("HYDRA_FSDP_REQUIRE_SLURM") == "1"
+
+# the app's own needs under submitit (see above)
+APP_UNDER_SUBMITIT = ("module._target_=app.Tiny", "module.stamp=pinned")
+
+
+def unavailable(reason):
+    if REQUIRED:
+        pytest.fail(f"HYDRA_FSDP_REQUIRE_SLURM=1, but {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    if importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None:
+        unavailable("hydra-submitit-launcher is not installed (pip install hydra-submitit-launcher)")
+    try:
+        cluster = start_cluster(tmp_path_factory.mktemp("slurm"))
+    except SlurmUnavailable as error:
+        if "not installed" not in str(error):
+            raise  # installed, but would not start: that is a failure, not a skip
+        unavailable(str(error))
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def launcher(cluster, tasks_per_node=2):
+    """The hydra-submitit-launcher settings the sweep runs with on this cluster."""
+    return (
+        "hydra/launcher=submitit_slurm",
+        f"hydra.launcher.partition={cluster.partition}",
+        "hydra.launcher.nodes=1",
+        f"hydra.launcher.tasks_per_node={tasks_per_node}",
+        "hydra.launcher.cpus_per_task=1",
+        "hydra.launcher.timeout_min=10",
+    )
+
+
+def submitit_logs(app, lines=25):
+    out = []
+    for log in sorted((app / "sweep" / ".submitit").glob("*/*_log.*")):
+        out.append(f"--- {log.name} ---\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:]))
+    return "\n".join(out)
+
+
+def failure_report(proc, app, cluster):
+    return (
+        f"sweep exited {proc.returncode} after {proc.seconds:.0f} s\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+        f"\n{submitit_logs(app)}\n{cluster.logs(15)}"
+    )
+
+
+def task_log(app, array_task, task):
+    """What SLURM task ``task`` of the job ``<array id>_<index>`` wrote to its stdout."""
+    return (app / "sweep" / ".submitit" / array_task / f"{array_task}_{task}_log.out").read_text()
+
+
+def slurm_job_ids(cluster, array_id):
+    """SLURM_JOB_ID of every task of an array: {"<array id>_<index>": job id}."""
+    ids = {}
+    for line in cluster.run("scontrol", "show", "job", "-o", array_id).stdout.splitlines():
+        task = re.search(r"\bJobId=(\d+) .*\bArrayJobId=(\d+) ArrayTaskId=(\d+)\b", line)
+        if task:
+            ids[f"{task[2]}_{task[3]}"] = task[1]
+    return ids
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_slurm_sweep_two_tasks_per_job(app, cluster, strategy):
+    proc = sweep_in(
+        app,
+        *launcher(cluster),
+        *APP_UNDER_SUBMITIT,
+        "module.lr=0.1,0.2",
+        strategy=strategy,
+        env=cluster.env,
+        timeout=SLURM_SWEEP_TIMEOUT,
+    )
+    assert proc.returncode == 0, failure_report(proc, app, cluster)
+    arrays = [p.name for p in (app / "sweep" / ".submitit").iterdir() if re.fullmatch(r"\d+", p.name)]
+    assert len(arrays) == 1, f"one array job for the sweep, found {arrays}"
+    job_ids = slurm_job_ids(cluster, arrays[0])
+    assert sorted(job_ids) == [f"{arrays[0]}_0", f"{arrays[0]}_1"], job_ids
+    for job, lr in ((0, 0.1), (1, 0.2)):
+        job_dir = app / "sweep" / str(job)
+        seen = assert_ranks_agree(job_dir, world=2)  # ranks 0 and 1, distinct pids, one job
+        assert seen[0]["lr"] == lr and seen[0]["job"] == job
+        assert seen[0]["strategy"] == f"hydra_fsdp.Hydra{strategy.upper()}"
+        # SLURM started both ranks: HydraDDP/HydraFSDP spawned no child and wrote no plan for one
+        assert not (job_dir / "rank_1.log").exists()
+        assert not (job_dir / ".hydra" / "rank_plan.yaml").exists()
+        # each SLURM task of this job was one rank
+        array_task = f"{arrays[0]}_{job}"
+        for rank in (0, 1):
+            log = task_log(app, array_task, rank)
+            assert f"global_rank={rank}(2)" in log, log
+            assert f"Initializing distributed: GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/2" in log, log
+        # and they met where Lightning's SLURMEnvironment sends them: 15000 + the job id's last 4 digits
+        expected_port = str(15000 + int(job_ids[array_task][-4:]))
+        assert seen[0]["master_port"] == seen[1]["master_port"] == expected_port, (seen, job_ids)
+        if strategy == "fsdp":
+            held = [seen[r]["params_held"] for r in (0, 1)]
+            assert sum(held) == seen[0]["params_total"] and min(held) > 0, held
+    print(f"SLURM, 2 jobs x 2 tasks, Hydra{strategy.upper()}: {proc.seconds:.1f} s")
+
+
+def test_slurm_fewer_tasks_than_devices_fails_fast(app, cluster):
+    proc = sweep_in(
+        app,
+        *launcher(cluster, tasks_per_node=1),  # the Trainer still asks for devices=2
+        *APP_UNDER_SUBMITIT,
+        env=cluster.env,
+        timeout=FAIL_FAST_BOUND + 60,
+    )
+    assert proc.returncode != 0, failure_report(proc, app, cluster)
+    assert proc.seconds < FAIL_FAST_BOUND, failure_report(proc, app, cluster)
+    error = proc.stderr
+    assert "RankLaunchError" in error or "ntasks-per-node" in error, failure_report(proc, app, cluster)
+    assert "devices" in error, failure_report(proc, app, cluster)
+    assert not records(app / "sweep" / "0")
+    print(f"SLURM, tasks_per_node=1 with devices=2 failed in {proc.seconds:.1f} s")
+
+
+def test_slurm_ranks_that_resolve_different_configs_fail_the_job(app, cluster):
+    """Each SLURM task resolves ${now:...} itself: the stamps differ and the job is refused."""
+    proc = sweep_in(
+        app,
+        *launcher(cluster),
+        "module._target_=app.Tiny",  # the stamp left as ${now:%H-%M-%S-%f}
+        env=cluster.env,
+        timeout=FAIL_FAST_BOUND + 60,
+    )
+    assert proc.returncode != 0, failure_report(proc, app, cluster)
+    assert proc.seconds < FAIL_FAST_BOUND, failure_report(proc, app, cluster)
+    report = failure_report(proc, app, cluster)
+    assert "RankLaunchError" in proc.stderr and "module.stamp" in proc.stderr, report
+    assert not records(app / "sweep" / "0")
+    print(f"SLURM, ranks with different stamps refused in {proc.seconds:.1f} s")
