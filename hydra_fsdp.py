@@ -44,11 +44,14 @@ starting fails its job at once instead of hanging the rendezvous. A failed rank 
 never the sweep: the other ranks are ended, the error names the rank, its exit code and its log.
 """
 
+import atexit
 import faulthandler
 import functools
+import gc
 import importlib
 import importlib.util
 import inspect
+import json
 import logging
 import math
 import os
@@ -84,6 +87,7 @@ DEFAULT_LAUNCH_DELAY = 1.0
 DEFAULT_RANK_TIMEOUT = 600.0
 _PLAN_FILE = "rank_plan.yaml"
 _CHECK_IN_KEY = "hydra_fsdp/ready/{}"
+_DONE_KEY = "hydra_fsdp/done/{}"
 # What a launch sets in rank 0's environment; restored afterwards so the next job of the
 # sweep neither reuses this job's port nor mistakes itself for a child (``LOCAL_RANK``).
 _RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
@@ -323,13 +327,14 @@ class _ChildRanks:
     """
 
     def __init__(
-        self, plan_path: Path, job_dir: Path, num_processes: int, address: str, timeout: float
+        self, plan_path: Path, job_dir: Path, num_processes: int, address: str, timeout: float, warm: bool
     ) -> None:
         self.plan_path = plan_path
         self.job_dir = job_dir
         self.num_processes = num_processes
         self.address = address
         self.timeout = timeout
+        self.warm = warm
         self.procs: dict[int, subprocess.Popen] = {}
         # Port 0: the OS picks a port nobody holds, and we hold it until the stage ends. Never
         # an earlier stage's port: its store may outlive it (an FSDP module keeps its process
@@ -359,6 +364,18 @@ class _ChildRanks:
         return [sys.executable, os.path.abspath(__file__), str(self.plan_path)]
 
     def start(self, delay: float) -> None:
+        """Hand this stage to warm children of an earlier job, or spawn new ones."""
+        warm_children = _WARM_CHILDREN.pop(self.num_processes, None) if self.warm else None
+        if warm_children is not None:
+            self.procs = warm_children
+            for rank, proc in self.procs.items():
+                assignment = {
+                    "plan": str(self.plan_path),
+                    "env": self.child_env(rank),
+                    "log": str(self.log_path(rank)),
+                }
+                _send_line(proc, assignment)
+            return
         for rank in range(1, self.num_processes):
             if rank > 1 and delay:
                 time.sleep(delay)
@@ -367,6 +384,8 @@ class _ChildRanks:
                     self.command(),
                     env=self.child_env(rank),
                     cwd=os.getcwd(),
+                    # a warm child reads the stages of later jobs here; a cold one finds no more
+                    stdin=subprocess.PIPE if self.warm else subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,
                 )
@@ -393,17 +412,21 @@ class _ChildRanks:
                 raise ChildRankError(f"Child rank {rank} failed: {self._describe(rank)}")
 
     def wait_until_done(self) -> None:
+        """Wait until every child finished this stage: it said so (warm), or it exited with 0."""
+        keys = {rank: _DONE_KEY.format(rank) for rank in self.procs}
         deadline = time.monotonic() + self.timeout
-        for rank, proc in self.procs.items():
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+        while not all(
+            self._store.check([keys[rank]]) or proc.poll() == 0 for rank, proc in self.procs.items()
+        ):
+            self.raise_if_any_failed()
+            if time.monotonic() > deadline:
+                late = [rank for rank, proc in self.procs.items() if proc.poll() is None]
                 self.end()
                 raise ChildRankError(
-                    f"Child rank {rank} was still running {self.timeout:g} s after rank 0 finished the"
-                    f" stage and was ended. {self._describe(rank)}"
-                ) from None
-        self.raise_if_any_failed()
+                    f"Child rank(s) {late} were still running {self.timeout:g} s after rank 0 finished"
+                    f" the stage and were ended. {self._describe(late[0])}"
+                )
+            time.sleep(0.05)
 
     def first_failure(self, grace: float) -> Optional[int]:
         """Return the rank that failed on its own, giving children ``grace`` s to exit."""
@@ -433,8 +456,17 @@ class _ChildRanks:
         for proc in self.procs.values():
             proc.wait()
 
-    def close(self) -> None:
-        self.end()
+    def close(self, succeeded: bool) -> None:
+        """Keep warm children for the next job if every rank finished; end the rest."""
+        if (
+            self.warm
+            and succeeded
+            and self.procs
+            and all(proc.poll() is None for proc in self.procs.values())
+        ):
+            _keep_warm(self.num_processes, self.procs)
+        else:
+            self.end()
         del self._store
 
     def _describe(self, rank: int) -> str:
@@ -448,6 +480,37 @@ class _ChildRanks:
         return f"rank {rank} (pid {proc.pid}, {status}); its log is {log}" + (
             f", ending with:\n{excerpt}" if excerpt else "."
         )
+
+
+# Warm child ranks waiting for the next job of this sweep, by world size. A child joins only
+# after a stage that succeeded on every rank; any failure ends the children of that stage.
+_WARM_CHILDREN: dict[int, dict[int, subprocess.Popen]] = {}
+
+
+def _keep_warm(world_size: int, procs: dict[int, subprocess.Popen]) -> None:
+    if not _WARM_CHILDREN:
+        atexit.register(_end_warm_children)
+    _end_warm_children()  # one set at a time: a sweep of another world size would strand them
+    _WARM_CHILDREN[world_size] = procs
+
+
+def _end_warm_children() -> None:
+    """Close the warm children's input, so that they exit; end any that does not, promptly."""
+    for procs in _WARM_CHILDREN.values():
+        for proc in procs.values():
+            proc.stdin.close()
+        for proc in procs.values():
+            try:
+                proc.wait(timeout=_PEER_EXIT_GRACE)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    _WARM_CHILDREN.clear()
+
+
+def _send_line(proc: subprocess.Popen, message: dict) -> None:
+    proc.stdin.write(json.dumps(message).encode() + b"\n")
+    proc.stdin.flush()
 
 
 def _log_excerpt(log: Path) -> list[str]:
@@ -498,7 +561,12 @@ class _HydraRankLauncher:
         self.signal_received = None
         job_dir = Path(HydraConfig.get().runtime.output_dir)
         self.children = _ChildRanks(
-            plan_path, job_dir, strategy.num_processes, env.main_address, strategy.rank_timeout
+            plan_path,
+            job_dir,
+            strategy.num_processes,
+            env.main_address,
+            strategy.rank_timeout,
+            strategy.warm_ranks,
         )
         os.environ["MASTER_PORT"] = str(self.children.port)
         if isinstance(env, _lightning_environment_class(strategy._lightning)):
@@ -509,14 +577,16 @@ class _HydraRankLauncher:
                 self.children.wait_until_checked_in()
                 result = function(*args, **kwargs)
                 self.children.wait_until_done()
+                succeeded = True
                 return result
         except BaseException as error:
+            succeeded = False
             job_error = self._job_error(error)
             if job_error is error:
                 raise
             raise job_error from error
         finally:
-            self.children.close()
+            self.children.close(succeeded)
             self.children = None
             _restore_env(saved_env)
 
@@ -617,10 +687,12 @@ class _HydraStrategy:
         rank_timeout: float = DEFAULT_RANK_TIMEOUT,
         module_key: str = "module",
         datamodule_key: str = "datamodule",
+        warm_ranks: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.rank_timeout = rank_timeout
+        self.warm_ranks = warm_ranks
         self._config_keys = {"module_key": module_key, "datamodule_key": datamodule_key}
 
     def _configure_launcher(self) -> None:
@@ -651,8 +723,9 @@ class _HydraDDP(_HydraStrategy):
     """Lightning's ``DDPStrategy``, with every child rank started from the Hydra job's saved config.
 
     Extra arguments: ``rank_timeout`` (seconds a child may take to reach the process group, and
-    to exit after rank 0 finished; default 600), ``module_key`` and ``datamodule_key`` (where the
-    job's config holds them; default ``module`` and ``datamodule``). The rest is DDPStrategy's.
+    to finish after rank 0 finished; default 600), ``module_key`` and ``datamodule_key`` (where
+    the job's config holds them; default ``module`` and ``datamodule``), ``warm_ranks`` (keep
+    child ranks alive for the next job of the sweep; default False). The rest is DDPStrategy's.
     """
 
 
@@ -840,18 +913,39 @@ def __getattr__(name: str) -> Any:
 
 
 def _run_child_rank(plan_path: str) -> None:
-    """Run one child rank: rebuild the job as rank 0 saw it, check in, run rank 0's stage."""
+    """Run one child rank: its first stage from ``plan_path``, then, if warm, later jobs' stages.
+
+    A warm child reads each next assignment from its stdin, one JSON line: the plan, rank 0's
+    environment now (the new rendezvous port, the job's ``hydra.job.env_set``), the new job's
+    log. A cold child's stdin is empty, so it exits after one.
+    """
     _exit_with_parent()
     faulthandler.register(_STACK_DUMP_SIGNAL, all_threads=True)
-    plan = _RankPlan.load(plan_path)
+    first = _RankPlan.load(plan_path)
+    sys.path[:] = list(first.sys_path)
+    sys.argv[:] = list(first.sys_argv)
+    _import_launching_script(first.main)
+    _run_stage(first)
+    for line in sys.stdin:
+        assignment = json.loads(line)
+        _write_output_to(assignment["log"])
+        os.environ.clear()
+        os.environ.update(assignment["env"])
+        _run_stage(_RankPlan.load(assignment["plan"]))
+    # Done: exit now. At interpreter shutdown, torch's C++ threads (gloo, the process group an
+    # FSDP module still holds) can abort the process and turn finished stages into a failure.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _run_stage(plan: DictConfig) -> None:
+    """Rebuild the job as rank 0 saw it, check in, run rank 0's stage, say it is done."""
     os.chdir(plan.cwd)
-    sys.path[:] = list(plan.sys_path)
-    sys.argv[:] = list(plan.sys_argv)
-    _import_launching_script(plan.main)
     hydra_cfg = OmegaConf.create({"hydra": plan.hydra})
     OmegaConf.set_readonly(hydra_cfg, True)
     HydraConfig.instance().cfg = hydra_cfg
-
     _seed_like_rank_zero(importlib.import_module(plan.lightning))
     config = plan.config
     trainer = instantiate(config.trainer)
@@ -859,14 +953,28 @@ def _run_child_rank(plan_path: str) -> None:
     stage_kwargs: dict = {"ckpt_path": plan.ckpt_path}
     if plan.datamodule:
         stage_kwargs["datamodule"] = instantiate(config[plan.datamodule_key])
-    _check_in()
+    store = torch.distributed.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timedelta(seconds=60),
+    )
+    store.set(_CHECK_IN_KEY.format(os.environ["LOCAL_RANK"]), "1")
     getattr(trainer, plan.stage)(module, **stage_kwargs)
-    # Done: exit now. At interpreter shutdown, torch's C++ threads (gloo, the process group an
-    # FSDP module still holds) can abort the process and turn a finished stage into a failure.
-    logging.shutdown()
+    store.set(_DONE_KEY.format(os.environ["LOCAL_RANK"]), "1")
+    del trainer, module, stage_kwargs
+    gc.collect()  # a warm child holds nothing of this job while it waits for the next one
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def _write_output_to(log: str) -> None:
+    """Point this process's stdout and stderr at the new job's log."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    with open(log, "ab") as file:
+        os.dup2(file.fileno(), sys.stdout.fileno())
+        os.dup2(file.fileno(), sys.stderr.fileno())
 
 
 def _seed_like_rank_zero(lightning: types.ModuleType) -> None:
@@ -903,16 +1011,6 @@ def _import_launching_script(main: DictConfig) -> None:
     module = types.ModuleType("__mp_main__")
     module.__dict__.update(namespace)
     sys.modules["__main__"] = sys.modules["__mp_main__"] = module
-
-
-def _check_in() -> None:
-    store = torch.distributed.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        is_master=False,
-        timeout=timedelta(seconds=60),
-    )
-    store.set(_CHECK_IN_KEY.format(os.environ["LOCAL_RANK"]), "1")
 
 
 if __name__ == "__main__":

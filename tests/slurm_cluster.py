@@ -1,6 +1,6 @@
 """A real SLURM cluster on this one host, for tests: munged, slurmctld and slurmd in a scratch dir.
 
-    cluster = start_cluster(tmp_dir)      # raises SlurmUnavailable if a binary is missing
+    cluster = start_cluster(tmp_dir)      # raises SlurmNotInstalled if a binary is missing
     subprocess.run(["sbatch", ...], env=dict(os.environ, **cluster.env))
     cluster.stop()                        # cancels its jobs, then ends the daemons it started
 
@@ -37,7 +37,11 @@ INSTALL_HINT = "apt-get install -y slurm-wlm munge"
 
 
 class SlurmUnavailable(RuntimeError):
-    """SLURM or munge is not installed here, or the cluster would not start."""
+    """The cluster would not start: the message holds the daemons' logs."""
+
+
+class SlurmNotInstalled(SlurmUnavailable):
+    """A SLURM or munge binary is missing here: the message names them."""
 
 
 def which(name):
@@ -209,11 +213,11 @@ def _wait(predicate, timeout, what, cluster):
 def start_cluster(tmp_dir, cpus=None):
     """Start munged, slurmctld and slurmd under ``tmp_dir``; return the running Cluster.
 
-    Raises SlurmUnavailable, naming what is missing or the daemon logs, if it cannot start.
+    Raises SlurmNotInstalled naming what is missing, or SlurmUnavailable with the daemons' logs.
     """
     missing = missing_binaries()
     if missing:
-        raise SlurmUnavailable(f"SLURM is not installed here: no {', '.join(missing)} ({INSTALL_HINT})")
+        raise SlurmNotInstalled(f"SLURM is not installed here: no {', '.join(missing)} ({INSTALL_HINT})")
     root = Path(tmp_dir).resolve()
     for sub in ("state", "spool", "bin"):
         (root / sub).mkdir(parents=True, exist_ok=True)

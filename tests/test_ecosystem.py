@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import APPS, SWEEP_TIMEOUT, assert_ranks_agree, ok, records, run_app
 
 PYTORCH_LIGHTNING = ("pytorch_lightning", "lightning_fabric")
@@ -102,7 +101,11 @@ def test_pytorch_lightning_installed_alone(app, tmp_path):
 
 def test_lightning_installed_alone(yaml_app, tmp_path):
     # hydra_fsdp.HydraDDP is built on the only namespace there is
-    ok(run_yaml(yaml_app, "trainer.strategy._target_=hydra_fsdp.HydraDDP", env=hide(tmp_path, PYTORCH_LIGHTNING)))
+    ok(
+        run_yaml(
+            yaml_app, "trainer.strategy._target_=hydra_fsdp.HydraDDP", env=hide(tmp_path, PYTORCH_LIGHTNING)
+        )
+    )
     assert_yaml_job(yaml_app / "sweep" / "0", "hydra_fsdp.HydraDDP")
 
 

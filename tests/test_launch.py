@@ -96,6 +96,7 @@ def test_child_command_env_cwd_and_stagger(tmp_path, strategy):
         assert env["PYTHONUNBUFFERED"] == "1"
         ports.add(env["MASTER_PORT"])
         assert call.kwargs["cwd"] == os.getcwd()
+        assert call.kwargs["stdin"] == subprocess.DEVNULL  # cold: one stage, then it exits
         assert call.kwargs["stdout"].name == str(job_dir / f"rank_{rank}.log")
         assert call.kwargs["stderr"] == subprocess.STDOUT
     assert len(ports) == 1

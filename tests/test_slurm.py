@@ -18,8 +18,8 @@ import os
 import re
 
 import pytest
-from helpers import assert_ranks_agree, records, sweep_in
-from slurm_cluster import SlurmUnavailable, start_cluster
+from helpers import alive, assert_ranks_agree, records, start_sweep, started_pids, sweep_in, wait_for
+from slurm_cluster import SlurmNotInstalled, start_cluster
 
 SLURM_SWEEP_TIMEOUT = 240  # seconds; 2 jobs, one after the other on 2 cores, take about 30 s
 FAIL_FAST_BOUND = 120  # seconds within which a misconfigured job must have failed the sweep
@@ -41,9 +41,7 @@ def cluster(tmp_path_factory):
         unavailable("hydra-submitit-launcher is not installed (pip install hydra-submitit-launcher)")
     try:
         cluster = start_cluster(tmp_path_factory.mktemp("slurm"))
-    except SlurmUnavailable as error:
-        if "not installed" not in str(error):
-            raise  # installed, but would not start: that is a failure, not a skip
+    except SlurmNotInstalled as error:  # installed but would not start: a failure, not a skip
         unavailable(str(error))
     try:
         yield cluster
@@ -163,3 +161,40 @@ def test_slurm_ranks_that_resolve_different_configs_fail_the_job(app, cluster):
     assert "RankLaunchError" in proc.stderr and "module.stamp" in proc.stderr, report
     assert not records(app / "sweep" / "0")
     print(f"SLURM, ranks with different stamps refused in {proc.seconds:.1f} s")
+
+
+def running(job_dir):
+    try:
+        return bool(started_pids(job_dir))
+    except ValueError:  # a rank is writing its file right now
+        return False
+
+
+def test_slurm_cancelled_job_fails_the_sweep_instead_of_hanging_it(app, cluster):
+    """A job SLURM ends (scancel, a node lost) writes no result: submitit must learn its state.
+
+    It asks sacct, which needs an accounting database; the cluster's stand-in answers from
+    scontrol. Under SLURM the app reads LOCAL_RANK unset, so fail_rank=0 hangs both tasks.
+    """
+    sweep = start_sweep(
+        app,
+        *launcher(cluster),
+        *APP_UNDER_SUBMITIT,
+        "module.fail_rank=0",
+        "module.fail_how=train_hang",
+        env=cluster.env,
+    )
+    try:
+        wait_for(lambda: running(app / "sweep" / "0"), SLURM_SWEEP_TIMEOUT, "the job to start")
+        assert sweep.poll() is None
+        cluster.run("scancel", *cluster.jobs_left())
+        output = sweep.communicate(timeout=FAIL_FAST_BOUND)[0].decode(errors="replace")
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+            sweep.wait()
+    assert sweep.returncode != 0, output[-3000:]
+    assert "UncompletedJobError" in output and "CANCELLED" in output, output[-3000:]
+    for pid in started_pids(app / "sweep" / "0").values():
+        assert not alive(pid), f"rank pid {pid} outlived its cancelled job"
+    assert not cluster.jobs_left()

@@ -49,6 +49,7 @@ class Tiny(pl.LightningModule):
                         k: os.environ.get(k) for k in ("LOCAL_RANK", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK")
                     },
                     "process_group": torch.distributed.is_initialized(),
+                    "job_tag": os.environ.get("JOB_TAG"),
                     "threads": sorted(t.name for t in threading.enumerate()),
                 }
             )

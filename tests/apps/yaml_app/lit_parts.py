@@ -59,6 +59,8 @@ class TinyModel(L.LightningModule):
 class ShapesData(L.LightningDataModule):
     def _loader(self):
         x = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+        return torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8
+        )
 
     train_dataloader = test_dataloader = _loader
