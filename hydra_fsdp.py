@@ -23,9 +23,16 @@ With hydra-zen::
         trainer.fit(module, datamodule=datamodule)
 
 or in plain YAML ``strategy: {_target_: hydra_fsdp.HydraFSDP}``. The job's config must hold
-``trainer`` and ``module`` (``datamodule`` is optional); child ranks instantiate those three
-keys and call the same stage (fit/validate/test/predict) with the ``ckpt_path`` rank 0 got.
+``trainer`` and ``module`` (``datamodule`` is optional; ``module_key``/``datamodule_key`` name
+other keys); child ranks instantiate them and call the stage rank 0 called (fit, validate, test,
+predict) with the ``ckpt_path`` rank 0 got.
 
+``hydra_fsdp.HydraDDP``/``HydraFSDP`` subclass ``pytorch_lightning``'s strategies (or
+``lightning.pytorch``'s when it is the only one installed); ``hydra_fsdp.lightning.HydraDDP``/
+``HydraFSDP`` subclass ``lightning.pytorch``'s. Use the one of your Trainer's namespace.
+
+Arguments beyond Lightning's: ``rank_timeout`` (s, default 600), ``module_key``,
+``datamodule_key``, ``warm_ranks`` (keep child ranks for the sweep's next job; default off).
 ``MUSHIN_DDP_LAUNCH_DELAY`` (seconds, default 1, ``0`` disables) is waited between two child
 spawns. Each child rank writes its output to ``<job dir>/rank_<N>.log``.
 
@@ -42,6 +49,9 @@ Rank 0 holds the rendezvous port for the whole stage, so concurrent sweeps never
 waits for every child to check in before it joins the process group: a child that dies while
 starting fails its job at once instead of hanging the rendezvous. A failed rank fails its job,
 never the sweep: the other ranks are ended, the error names the rank, its exit code and its log.
+
+Under torchrun or SLURM the engine starts every rank: the strategies spawn nothing, check the
+world size before the rendezvous, and make the ranks compare the job they each resolved.
 """
 
 import atexit
