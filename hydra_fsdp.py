@@ -113,7 +113,7 @@ _STACK_DUMP_WAIT = 0.5
 
 
 class RankLaunchError(RuntimeError):
-    """The job cannot start its child ranks: raised before any of them is spawned."""
+    """The job's ranks cannot all run the same job: raised before it trains, nothing left running."""
 
 
 class ChildRankError(RuntimeError):
@@ -248,60 +248,50 @@ def _launching_script() -> dict:
 # --------------------------------------------------------------------------- the plan
 
 
-class _RankPlan:
-    """What every child rank of one stage of one job runs, saved next to the job's config.
+def _write_rank_plan(lightning: types.ModuleType, stage_call: dict, keys: dict) -> Path:
+    """Write what every child rank of this stage runs next to the job's config; return its path.
 
-    Rank 0 writes it; each child reads it back. It holds the job's config resolved exactly as
-    rank 0 resolves it (``${hydra:job.num}``, ``${now:...}``), so child ranks never re-resolve.
+    It holds the job's config resolved exactly as rank 0 resolves it (``${hydra:job.num}``,
+    ``${now:...}``), Hydra's runtime config, the stage and checkpoint, and what the child needs
+    to stand where rank 0 stands: working directory, ``sys.path``, ``sys.argv``, ``__main__``.
     """
-
-    def __init__(self, data: dict) -> None:
-        self.data = data
-
-    @classmethod
-    def for_stage(cls, lightning: types.ModuleType, stage_call: dict, keys: dict) -> "_RankPlan":
-        required = (keys["module_key"],) + ((keys["datamodule_key"],) if stage_call["datamodule"] else ())
-        config = _load_saved_config(_saved_config_path(), ("trainer",) + required)
-        process = {
-            "stage": stage_call["stage"],
-            "ckpt_path": stage_call["ckpt_path"],
-            "datamodule": stage_call["datamodule"],
-            "lightning": lightning.__name__,
-            "module_key": keys["module_key"],
-            "datamodule_key": keys["datamodule_key"],
-            "cwd": os.getcwd(),
-            "sys_path": sys.path,
-            "sys_argv": sys.argv,
-            "main": _launching_script(),
-        }
-        return cls(
-            dict(
-                _escaped(process),
-                hydra=_resolved_where_possible(HydraConfig.get()),
-                config=_resolved_as_rank_zero_sees_it(config),
-            )
-        )
-
-    def save(self) -> Path:
-        path = _saved_config_path().with_name(_PLAN_FILE)
-        OmegaConf.save(OmegaConf.create(self.data), path)
-        return path
-
-    @classmethod
-    def load(cls, path: str) -> DictConfig:
-        return OmegaConf.load(path)
+    required = (keys["module_key"],) + ((keys["datamodule_key"],) if stage_call["datamodule"] else ())
+    saved_config = _saved_config_path()
+    config = _load_saved_config(saved_config, ("trainer",) + required)
+    process = {
+        "stage": stage_call["stage"],
+        "ckpt_path": stage_call["ckpt_path"],
+        "datamodule": stage_call["datamodule"],
+        "lightning": lightning.__name__,
+        "module_key": keys["module_key"],
+        "datamodule_key": keys["datamodule_key"],
+        "cwd": os.getcwd(),
+        "sys_path": sys.path,
+        "sys_argv": sys.argv,
+        "main": _launching_script(),
+    }
+    plan = dict(
+        _escaped(process),
+        hydra=_resolved_where_possible(HydraConfig.get()),
+        config=_resolved_as_rank_zero_sees_it(config),
+    )
+    path = saved_config.with_name(_PLAN_FILE)
+    OmegaConf.save(OmegaConf.create(plan), path)
+    return path
 
 
 def _stage_call(function: Callable, args: tuple, kwargs: dict, trainer: Any) -> dict:
     """Read from rank 0's call what its children must repeat: stage, checkpoint, datamodule."""
     call = inspect.signature(function).bind(*args, **kwargs).arguments
-    datamodule = call.get("datamodule")
-    dataloaders = [
+    passed = [
         name for name in ("train_dataloaders", "val_dataloaders", "dataloaders") if call.get(name) is not None
     ]
-    if any(isinstance(call[name], trainer.strategy._lightning.LightningDataModule) for name in dataloaders):
-        datamodule = True  # Lightning accepts a datamodule in the dataloaders' place
-    elif dataloaders:
+    # Lightning also takes a datamodule in the dataloaders' place
+    datamodules = [
+        name for name in passed if isinstance(call[name], trainer.strategy._lightning.LightningDataModule)
+    ]
+    dataloaders = [name for name in passed if name not in datamodules]
+    if dataloaders:
         raise RankLaunchError(
             f"trainer.{trainer.state.fn.value}() got {' and '.join(dataloaders)} directly, which child"
             " ranks cannot rebuild: they only instantiate the job's config. Put the data in a"
@@ -320,7 +310,7 @@ def _stage_call(function: Callable, args: tuple, kwargs: dict, trainer: Any) -> 
     return {
         "stage": trainer.state.fn.value,
         "ckpt_path": None if ckpt_path is None else str(ckpt_path),
-        "datamodule": datamodule is not None,
+        "datamodule": call.get("datamodule") is not None or bool(datamodules),
         "model": model,
     }
 
@@ -566,7 +556,7 @@ class _HydraRankLauncher:
         delay = _launch_delay()
         stage_call = _stage_call(function, args, kwargs, trainer)
         strategy._check_stage(stage_call)
-        plan_path = _RankPlan.for_stage(strategy._lightning, stage_call, strategy._config_keys).save()
+        plan_path = _write_rank_plan(strategy._lightning, stage_call, strategy._config_keys)
         saved_env = {key: os.environ.get(key) for key in _RENDEZVOUS_ENV}
         self.signal_received = None
         job_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -931,7 +921,7 @@ def _run_child_rank(plan_path: str) -> None:
     """
     _exit_with_parent()
     faulthandler.register(_STACK_DUMP_SIGNAL, all_threads=True)
-    first = _RankPlan.load(plan_path)
+    first = OmegaConf.load(plan_path)
     sys.path[:] = list(first.sys_path)
     sys.argv[:] = list(first.sys_argv)
     _import_launching_script(first.main)
@@ -941,7 +931,7 @@ def _run_child_rank(plan_path: str) -> None:
         _write_output_to(assignment["log"])
         os.environ.clear()
         os.environ.update(assignment["env"])
-        _run_stage(_RankPlan.load(assignment["plan"]))
+        _run_stage(OmegaConf.load(assignment["plan"]))
     # Done: exit now. At interpreter shutdown, torch's C++ threads (gloo, the process group an
     # FSDP module still holds) can abort the process and turn finished stages into a failure.
     logging.shutdown()
