@@ -23,11 +23,11 @@ record("app_loaded", module=__name__)
 
 def _job_num() -> int:
     from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
 
-    try:
-        num = HydraConfig.get().job.num
-    except Exception:
+    if not HydraConfig.initialized():
         return 0
+    num = OmegaConf.select(HydraConfig.get(), "job.num", default=None)  # "???" outside -m: None
     return 0 if num is None else int(num)
 
 
@@ -37,8 +37,15 @@ class Bench(pl.LightningModule):
     Parameters: depth * (width**2 + width); width=2048: depth 3 ~ 12.6M, 12 ~ 50.4M, 24 ~ 100.7M.
     """
 
-    def __init__(self, width: int = 32, depth: int = 2, batch: int = 8, steps: int = 4, lr: float = 1e-3,
-                 trial: int = 0):
+    def __init__(
+        self,
+        width: int = 32,
+        depth: int = 2,
+        batch: int = 8,
+        steps: int = 4,
+        lr: float = 1e-3,
+        trial: int = 0,
+    ):
         super().__init__()
         record("init", job=_job_num(), **memory_kib())  # the baseline: before the weights exist
         self.lr, self.width, self.batch, self.steps = lr, width, batch, steps

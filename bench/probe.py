@@ -50,7 +50,7 @@ def record(event: str, **fields) -> None:
         "event": event,
         "pid": os.getpid(),
         "ppid": os.getppid(),
-        "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
+        "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
         "time": time.time(),
         "age": process_age(),
         **fields,

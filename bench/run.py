@@ -1,34 +1,46 @@
 """hydra_fsdp benchmarks: ratios measured side by side in one run, printed as Markdown tables.
 
-    python bench/run.py            # N = 1, 4, 16 jobs, 3 repeats, 12M/50M/100M-parameter models
-    python bench/run.py --quick    # N = 1, 4, 1 repeat, a 12M model: a smoke test of a few minutes
+    python bench/run.py            # N = 1, 4, 16 jobs, 3 repeats; 12M/50M/100M-parameter models (~25 min)
+    python bench/run.py --quick    # N = 1, 4, 1 repeat; a 12M model: a smoke test (~3 min on 2 cores)
 
-What it measures (every variant interleaved with the others, the order rotated every repeat;
-ratios are taken per repeat between runs made side by side, then the median and the range of
-those ratios are reported):
+Every variant is interleaved with the others and the order rotated every repeat; a ratio is taken
+per repeat between runs made side by side, and the tables give the median and the range of those
+ratios (absolute times only next to them). What it measures:
 
-1. Sweep wall time, N jobs x 2 ranks, a tiny model, a few steps per job, CPU/gloo:
+1. Sweep wall time, N jobs x 2 ranks, a tiny model, 4 steps a job, CPU/gloo:
    a) HydraDDP (``MUSHIN_DDP_LAUNCH_DELAY=0``): rank 0 starts a fresh child rank for every job;
-   b) Lightning's own ``strategy="ddp"`` under the same ``-m`` sweep: its child re-runs the whole
-      sweep in lockstep with rank 0 (wrong in general, but warm: one child for all jobs);
-   c) N separate runs of a plain, Hydra-free script with ``Trainer(strategy="ddp", devices=2)``.
-   Plus the stagger: HydraDDP with ``MUSHIN_DDP_LAUNCH_DELAY`` unset (1 s between child spawns)
-   against 0, at 2 ranks (one child: no wait) and at 4 ranks (three children: two waits a job).
-2. Child-rank start-up: the child's age (its /proc start time to the moment Lightning calls
-   ``LightningModule.setup``, just after the process group is up) against the floor, the age
-   of ``python -c "import torch, pytorch_lightning"`` when its imports are done.
-3. HydraFSDP vs HydraDDP at 2 ranks, Adam, models of 12M..100M parameters: parameters held per
-   rank, peak resident memory per rank (VmHWM), and wall time.
-4. How each figure grows with N and with the model size (in the tables above).
+   b) Lightning's own ``strategy="ddp"`` under the same ``-m`` sweep. Its child runs the sweep's
+      argv (plus ``hydra.run.dir=...``, which ``-m`` ignores), i.e. the whole sweep, in lockstep
+      with rank 0: from job 1 on, ``LOCAL_RANK`` is left in rank 0's environment, so neither side
+      launches anything and both reuse job 0's process group. Wrong in general (the child trains
+      its own sweep's config, and a child failure kills the sweep), but warm;
+   c) N runs, one after another, of a plain Hydra-free script with
+      ``Trainer(strategy="ddp", accelerator="cpu", devices=2)``.
+   The stagger: HydraDDP with ``MUSHIN_DDP_LAUNCH_DELAY`` unset (1 s between two child spawns)
+   against 0, at 2 ranks (one child: nothing to wait) and at 4 ranks (three children, two waits).
+2. Child-rank start-up: a child's age (from its start time in /proc/<pid>/stat) when Lightning
+   calls ``LightningModule.setup``, just after the process group is up, against the floor: the
+   age of ``python -c "import torch, pytorch_lightning"`` when its imports are done.
+3. HydraFSDP vs HydraDDP at 2 ranks with Adam, models of 12M, 50M and 100M parameters: parameters
+   held per rank, peak resident memory per rank (VmHWM), wall time; with glibc's default malloc
+   and with a fixed mmap threshold (see ALLOCATORS).
+4. How each figure grows with N and with the model size: in the tables above.
 
-The apps are bench/app.py (Hydra, hydra-zen) and bench/plain.py (no Hydra); bench/probe.py is
-what they record with. Sweep outputs go to a temporary directory (``--keep`` keeps it).
+The apps: bench/app.py (Hydra, hydra-zen) and bench/plain.py (no Hydra); bench/probe.py is what
+they record with. Runs go to a temporary directory, removed at the end unless ``--keep`` (or a
+failure). Progress goes to stderr, the Markdown to stdout.
 
-Adding a variant of HydraDDP (say a future "warm" mode) needs no code: ``--hydra-ddp-extra
-OVERRIDE`` (Hydra override, repeatable) and/or ``--hydra-ddp-extra-env KEY=VALUE`` add a
-variant "a+" = variant (a) plus those, measured side by side with a, b and c. Code-side, every
-variant is declared in ``sweep_variants()``.
+A variant of HydraDDP needs no code: ``--hydra-ddp-extra OVERRIDE`` (a Hydra override,
+repeatable) and/or ``--hydra-ddp-extra-env KEY=VALUE`` add variant "a+" = (a) plus those, run
+side by side with a, b and c, e.g. warm child ranks::
+
+    python bench/run.py --hydra-ddp-extra +trainer.strategy.warm_ranks=true --hydra-ddp-extra-label "HydraDDP warm"
+
+In code, the variants are declared in ``sweep_variants()``, ``stagger_variants()`` and
+``memory_variants()``.
 """
+
+from __future__ import annotations
 
 import argparse
 import dataclasses
@@ -44,12 +56,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path.insert(0, str(BENCH))
-from probe import read_records  # noqa: E402
+from probe import read_records
 
 APP = BENCH / "app.py"
 PLAIN = BENCH / "plain.py"
@@ -105,30 +116,50 @@ def stagger_variants() -> dict:
     }
 
 
+# glibc's default allocator raises its mmap threshold as big blocks are freed, then keeps freed
+# memory in its heap: RSS then grows step after step with FSDP's per-layer gather/free cycles. A
+# fixed threshold returns big blocks to the OS, so that RSS follows the memory tensors really hold.
+ALLOCATORS = {"": "glibc default", "_mmap": "MALLOC_MMAP_THRESHOLD_=131072"}
+
+
 def memory_variants() -> dict:
-    return {
-        "ddp": Variant("ddp", "HydraDDP", "sweep", ("trainer/strategy=hydra_ddp",), {DELAY_ENV: "0"}),
-        "fsdp": Variant("fsdp", "HydraFSDP", "sweep", ("trainer/strategy=hydra_fsdp",), {DELAY_ENV: "0"}),
-    }
+    variants = {}
+    for suffix, allocator in ALLOCATORS.items():
+        env = {DELAY_ENV: "0", "MALLOC_MMAP_THRESHOLD_": "131072" if suffix else None}
+        for key, label, strategy in (("ddp", "HydraDDP", "hydra_ddp"), ("fsdp", "HydraFSDP", "hydra_fsdp")):
+            variants[key + suffix] = Variant(
+                key + suffix, f"{label}, {allocator}", "sweep", (f"trainer/strategy={strategy}",), env
+            )
+    return variants
 
 
 # --------------------------------------------------------------------------- running
 
 
 class Runner:
-    def __init__(self, workdir: Path, verbose: bool) -> None:
+    def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
-        self.verbose = verbose
         self.count = 0
         self.results: list = []
-        self.failures: list = []
+        self.failures: list = []  # runs that did not finish: left out of the tables
+        self.exit_notes: list = []  # runs whose every rank finished, but a process exited non-zero
 
     def base_env(self) -> dict:
         env = dict(os.environ)
-        for key in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "PL_GLOBAL_SEED",
-                    DELAY_ENV):
+        for key in (
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "NODE_RANK",
+            "LOCAL_RANK",
+            "WORLD_SIZE",
+            "PL_GLOBAL_SEED",
+            DELAY_ENV,
+            "MALLOC_MMAP_THRESHOLD_",
+        ):
             env.pop(key, None)
-        env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+        )
         return env
 
     def new_dir(self, name: str) -> Path:
@@ -137,7 +168,7 @@ class Runner:
         (path / "records").mkdir(parents=True)
         return path
 
-    def run(self, variant: Variant, n: int, repeat: int, section: str, model: Optional[dict] = None) -> dict:
+    def run(self, variant: Variant, n: int, repeat: int, section: str, model: dict | None = None) -> dict:
         model = model or TINY
         rundir = self.new_dir(f"{section}_{variant.key}_n{n}")
         env = self.base_env()
@@ -149,7 +180,13 @@ class Runner:
                 env[key] = value
         if variant.kind == "sweep":
             cmds = [
-                [sys.executable, str(APP), "-m", f"module.trial=range(0,{n})", f"trainer.devices={variant.ranks}"]
+                [
+                    sys.executable,
+                    str(APP),
+                    "-m",
+                    f"module.trial=range(0,{n})",
+                    f"trainer.devices={variant.ranks}",
+                ]
                 + [f"module.{k}={v}" for k, v in model.items()]
                 + [f"hydra.sweep.dir={rundir / 'sweep'}", *variant.overrides]
             ]
@@ -160,10 +197,19 @@ class Runner:
                 for i in range(n)
             ]
         log = rundir / "output.log"
-        wall, error = _execute(cmds, env, rundir, log, timeout=300 + 60 * n * variant.ranks)
+        wall, exits, error = _execute(cmds, env, rundir, log, timeout=300 + 60 * n * variant.ranks)
         records = read_records(str(rundir / "records"))
         if error is None:
             error = _check_records(records, n, variant.ranks, model["steps"])
+        bad = [(i, code, tail) for i, (code, tail) in enumerate(exits) if code != 0]
+        exit_note = None
+        if bad and error is None:
+            # the work was done (every rank of every job finished fit): the time counts, flagged
+            exit_note = f"every rank finished fit, but {len(bad)} of {len(exits)} command(s) exited with " + (
+                ", ".join(_describe_exit(code) for _, code, _ in bad)
+            )
+        elif bad:
+            error += "; " + ", ".join(_describe_exit(code) for _, code, _ in bad)
         result = {
             "section": section,
             "variant": variant.key,
@@ -174,62 +220,116 @@ class Runner:
             "model": model,
             "wall": wall,
             "error": error,
+            "exit_note": exit_note,
             "log": str(log),
             "records": records,
         }
         self.results.append(result)
         status = f"{wall:7.1f} s" + ("" if error is None else f"  FAILED: {error}")
+        status += "" if exit_note is None else f"  ({exit_note})"
         _progress(f"[{section} r{repeat + 1}] {variant.label:<34} N={n:<3} x {variant.ranks} ranks {status}")
+        what = f"{variant.label}, N={n} x {variant.ranks} ranks, repeat {repeat + 1}"
+        if exit_note is not None:
+            tail = "\n\n".join(f"command {i + 1}:\n{tail}" for i, _, tail in bad)
+            self.exit_notes.append({"what": what, "error": exit_note, "log": str(log), "tail": tail})
+            _progress("    " + "\n    ".join(tail.splitlines()))
         if error is not None:
             tail = _tail(log, 40)
-            self.failures.append({"what": f"{variant.label}, N={n} x {variant.ranks} ranks", "error": error,
-                                  "log": str(log), "tail": tail})
+            self.failures.append(
+                {
+                    "what": what,
+                    "error": error,
+                    "log": str(log),
+                    "tail": tail,
+                }
+            )
             _progress("    " + "\n    ".join(tail.splitlines()))
         return result
 
     def floor(self, key: str, repeat: int) -> dict:
-        code = f"{FLOORS[key]}\nimport sys\nsys.path.insert(0, {str(BENCH)!r})\nfrom probe import process_age\nprint(process_age())"
+        code = (
+            f"{FLOORS[key]}\nimport sys\nsys.path.insert(0, {str(BENCH)!r})\nfrom probe import process_age\n"
+        )
+        code += "print(process_age())"
         start = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-c", code], env=self.base_env(), cwd=self.workdir,
-                              capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, "-c", code],
+            env=self.base_env(),
+            cwd=self.workdir,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
         wall = time.perf_counter() - start
         error = None if proc.returncode == 0 else f"exit code {proc.returncode}: {proc.stderr[-2000:]}"
         age = float(proc.stdout.split()[-1]) if error is None else None
-        result = {"section": "startup", "variant": key, "repeat": repeat, "age": age, "wall": wall, "error": error}
+        result = {
+            "section": "startup",
+            "variant": key,
+            "repeat": repeat,
+            "age": age,
+            "wall": wall,
+            "error": error,
+        }
         self.results.append(result)
-        _progress(f"[startup r{repeat + 1}] {key:<34} age {age if age is None else round(age, 2)} s"
-                  f" (wall {wall:.2f} s)")
+        _progress(
+            f"[startup r{repeat + 1}] {key:<34} age {age if age is None else round(age, 2)} s"
+            f" (wall {wall:.2f} s)"
+        )
         if error:
             self.failures.append({"what": key, "error": error, "log": "", "tail": ""})
         return result
 
 
 def _execute(cmds: list, env: dict, cwd: Path, log_path: Path, timeout: float):
+    """Run the commands one after another; return the wall time, (exit code, log tail) each, an error.
+
+    A command that exits non-zero does not stop the next one: whether its work was done is for
+    the records to say. Only a timeout stops the run.
+    """
     start = time.perf_counter()
     deadline = time.monotonic() + timeout
+    exits = []
     with open(log_path, "ab") as log:
         for cmd in cmds:
             log.write(("$ " + " ".join(cmd) + "\n").encode())
             log.flush()
+            offset = log.tell()
             # its own session, so that a hung run is ended with all its ranks (and nothing else)
-            proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
             try:
                 code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-                return time.perf_counter() - start, f"timed out after {timeout:.0f} s and was ended"
-            if code != 0:
-                return time.perf_counter() - start, f"exit code {code}"
-    return time.perf_counter() - start, None
+                return time.perf_counter() - start, exits, f"timed out after {timeout:.0f} s and was ended"
+            except BaseException:  # Ctrl-C: the run is in its own session, so end it here
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise
+            exits.append((code, _tail(log_path, 15, offset) if code else ""))
+    return time.perf_counter() - start, exits, None
 
 
-def _check_records(records: list, n: int, ranks: int, steps: int) -> Optional[str]:
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"exit code {code} ({signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return f"exit code {code}"
+
+
+def _check_records(records: list, n: int, ranks: int, steps: int) -> str | None:
     """Every rank of every job must have joined the process group and finished its steps."""
     ends = [r for r in records if r["event"] == "fit_end"]
     setups = [r for r in records if r["event"] == "setup"]
-    jobs_ranks = {(r["job"], r["global_rank"]) for r in ends if r["steps_done"] == steps and r["world"] == ranks}
+    jobs_ranks = {
+        (r["job"], r["global_rank"]) for r in ends if r["steps_done"] == steps and r["world"] == ranks
+    }
     expected = {(j, k) for j in range(n) for k in range(ranks)}
     if jobs_ranks != expected:
         missing = sorted(expected - jobs_ranks)
@@ -239,11 +339,14 @@ def _check_records(records: list, n: int, ranks: int, steps: int) -> Optional[st
     return None
 
 
-def _tail(path: Path, lines: int) -> str:
+def _tail(path: Path, lines: int, offset: int = 0) -> str:
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        with open(path, "rb") as f:
+            f.seek(offset)
+            text = f.read().decode(errors="replace")
     except OSError:
         return ""
+    return "\n".join(text.splitlines()[-lines:])
 
 
 def _progress(message: str) -> None:
@@ -271,7 +374,7 @@ def _paired_ratios(results, num: dict, den: dict, value=lambda r: r["wall"]) -> 
     return [value(a[k]) / value(b[k]) for k in sorted(a.keys() & b.keys()) if value(b[k])]
 
 
-def _median(values) -> Optional[float]:
+def _median(values) -> float | None:
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
 
@@ -294,7 +397,7 @@ def _fmt_slope(values: list) -> str:
     return f"{med:.1f} s ({min(values):.1f}-{max(values):.1f})"
 
 
-def _fmt_s(value: Optional[float]) -> str:
+def _fmt_s(value: float | None) -> str:
     return "failed" if value is None else f"{value:.1f} s"
 
 
@@ -314,11 +417,23 @@ def sweep_tables(results, variants: dict, ns: list) -> list:
             row.append(_fmt_s(_median(r["wall"] for r in _ok(results, section="sweep", variant=k, n=n))))
         pairs = [("a", "b"), ("a", "c")] + ([("a+", "a"), ("a+", "b"), ("a+", "c")] if extra else [])
         for x, y in pairs:
-            row.append(_fmt_ratio(_paired_ratios(results, dict(section="sweep", variant=x, n=n),
-                                                 dict(section="sweep", variant=y, n=n))))
+            row.append(
+                _fmt_ratio(
+                    _paired_ratios(
+                        results,
+                        {"section": "sweep", "variant": x, "n": n},
+                        {"section": "sweep", "variant": y, "n": n},
+                    )
+                )
+            )
         rows.append(row)
-    out = ["**Sweep wall time** (N jobs x 2 ranks, tiny model, 4 steps a job; median wall time;"
-           " ratios: median (range) of per-repeat ratios; < 1 means a is faster)", ""]
+    out = [
+        (
+            "**Sweep wall time** (N jobs x 2 ranks, tiny model, 4 steps a job; median wall time;"
+            " ratios: median (range) of per-repeat ratios; < 1 means a is faster)"
+        ),
+        "",
+    ]
     out += _table(head, rows)
 
     if len(ns) < 2:
@@ -332,38 +447,67 @@ def sweep_tables(results, variants: dict, ns: list) -> list:
     for k in keys:
         row = [f"{variants[k].label} ({k})"]
         for n in ns[1:]:
-            row.append(_fmt_ratio(_paired_ratios(results, dict(section="sweep", variant=k, n=n),
-                                                 dict(section="sweep", variant=k, n=n0))))
+            row.append(
+                _fmt_ratio(
+                    _paired_ratios(
+                        results,
+                        {"section": "sweep", "variant": k, "n": n},
+                        {"section": "sweep", "variant": k, "n": n0},
+                    )
+                )
+            )
         if len(ns) >= 2:
             hi = _by_repeat(results, section="sweep", variant=k, n=ns[-1])
             lo = _by_repeat(results, section="sweep", variant=k, n=ns[-2])
-            per_job = [(hi[r]["wall"] - lo[r]["wall"]) / (ns[-1] - ns[-2]) for r in sorted(hi.keys() & lo.keys())]
+            per_job = [
+                (hi[r]["wall"] - lo[r]["wall"]) / (ns[-1] - ns[-2]) for r in sorted(hi.keys() & lo.keys())
+            ]
             row.append(_fmt_slope(per_job))
         rows.append(row)
-    out += ["", f"**Growth with N** (per-repeat ratios to N={n0}; the last column is the slope, in seconds)", ""]
+    out += [
+        "",
+        f"**Growth with N** (per-repeat ratios to N={n0}; the last column is the slope, in seconds)",
+        "",
+    ]
     out += _table(head, rows)
     return out
 
 
 def stagger_table(results, stagger_n: int, stagger4_n: int) -> list:
     rows = []
-    for label, num, den, n, ranks in (
-        ("a_d1", "a_d1", "a", stagger_n, 2),
-        ("d4", "d4_1", "d4_0", stagger4_n, 4),
-    ):
-        num_match = dict(variant=num, n=n)
-        den_match = dict(variant=den, n=n, section="sweep" if den == "a" else "stagger")
+    for num, den, n, ranks in (("a_d1", "a", stagger_n, 2), ("d4_1", "d4_0", stagger4_n, 4)):
+        num_match = {"variant": num, "n": n}
+        den_match = {"variant": den, "n": n, "section": "sweep" if den == "a" else "stagger"}
         ratios = _paired_ratios(results, dict(num_match, section="stagger"), den_match)
         hi, lo = _by_repeat(results, section="stagger", **num_match), _by_repeat(results, **den_match)
         per_job = [(hi[r]["wall"] - lo[r]["wall"]) / n for r in sorted(hi.keys() & lo.keys())]
-        rows.append([f"{n} x {ranks}", str(ranks - 1), f"{ranks - 2} x 1 s",
-                     _fmt_s(_median(r["wall"] for r in lo.values())),
-                     _fmt_s(_median(r["wall"] for r in hi.values())),
-                     _fmt_ratio(ratios), _fmt_slope(per_job)])
-    head = ["jobs x ranks", "child spawns a job", "waits a job", "delay 0", "delay unset (1 s)",
-            "unset/0", "extra s a job"]
-    out = [f"**The stagger** (HydraDDP, `{DELAY_ENV}` unset = 1 s between child spawns, against 0;"
-           " median wall time, per-repeat ratios)", ""]
+        rows.append(
+            [
+                f"{n} x {ranks}",
+                str(ranks - 1),
+                f"{ranks - 2} x 1 s",
+                _fmt_s(_median(r["wall"] for r in lo.values())),
+                _fmt_s(_median(r["wall"] for r in hi.values())),
+                _fmt_ratio(ratios),
+                _fmt_slope(per_job),
+            ]
+        )
+    head = [
+        "jobs x ranks",
+        "child spawns a job",
+        "waits a job",
+        "delay 0",
+        "delay unset (1 s)",
+        "unset/0",
+        "extra s a job",
+    ]
+    out = [
+        (
+            f"**The stagger** (HydraDDP, `{DELAY_ENV}` unset = 1 s between child spawns, against 0;"
+            " median wall time, per-repeat ratios)"
+        ),
+        "",
+    ]
     return out + _table(head, rows)
 
 
@@ -384,7 +528,7 @@ def startup_table(results) -> list:
         return {rep: statistics.median(v) for rep, v in ages.items() if v}
 
     rows_spec = [
-        ("`python -c \"import torch, pytorch_lightning\"`: imports done (the floor)", floors["floor"]),
+        ('`python -c "import torch, pytorch_lightning"`: imports done (the floor)', floors["floor"]),
         ("`... import torch, pytorch_lightning, hydra_zen, hydra_fsdp`: imports done", floors["floor_hydra"]),
         ("HydraDDP child rank: launching script imported (`__mp_main__`)", child_ages("a", "app_loaded")),
         ("HydraDDP child rank: process group up (`LightningModule.setup`)", child_ages("a", "setup")),
@@ -399,10 +543,15 @@ def startup_table(results) -> list:
             common = sorted(by_repeat.keys() & floor.keys())
             row.append(_fmt_ratio([by_repeat[r] / floor[r] for r in common if floor[r]]))
         rows.append(row)
-    out = ["**Child-rank start-up** (seconds from the process's spawn, /proc/<pid>/stat starttime, to the"
-           " event; median over ranks and repeats; ratios: per-repeat median / the floors measured in the same"
-           " repeat, interleaved with the sweeps: `import torch, pytorch_lightning`, and the same plus"
-           " `hydra_zen, hydra_fsdp`, which a HydraDDP child must import too)", ""]
+    out = [
+        (
+            "**Child-rank start-up** (seconds from the process's spawn, /proc/<pid>/stat starttime, to the"
+            " event; median over ranks and repeats; ratios: per-repeat median / the floors measured in the same"
+            " repeat, interleaved with the sweeps: `import torch, pytorch_lightning`, and the same plus"
+            " `hydra_zen, hydra_fsdp`, which a HydraDDP child must import too)"
+        ),
+        "",
+    ]
     return out + _table(["process, event", "spawn to event", "/ floor", "/ floor with hydra"], rows)
 
 
@@ -410,64 +559,101 @@ def _first_job_ages(results) -> dict:
     ages: dict = {}
     for r in _ok(results, section="sweep", variant="b"):
         ages.setdefault(r["repeat"], []).extend(
-            rec["age"] for rec in r["records"]
+            rec["age"]
+            for rec in r["records"]
             if rec["event"] == "setup" and rec["local_rank"] >= 1 and rec["job"] == 0
         )
     return {rep: statistics.median(v) for rep, v in ages.items() if v}
 
 
+def _memory_stats(results, key: str, depth: int) -> dict:
+    """Per repeat: the larger of the two ranks' figures, from one single-job run."""
+    per_repeat = {}
+    for r in _ok(results, section="memory", variant=key):
+        if r["model"]["depth"] != depth:
+            continue
+        baseline = {rec["pid"]: rec["vm_rss"] for rec in r["records"] if rec["event"] == "init"}
+        ends = [rec for rec in r["records"] if rec["event"] == "fit_end"]
+        per_repeat[r["repeat"]] = {
+            "wall": r["wall"],
+            "params_total": ends[0]["params_total"],
+            "params_held": max(rec["params_held"] for rec in ends),
+            "peak": max(rec["vm_hwm"] for rec in ends),
+            "above": max(rec["vm_hwm"] - baseline[rec["pid"]] for rec in ends),
+            "ru_over_hwm": max(rec["ru_maxrss"] / rec["vm_hwm"] for rec in ends),
+            "per_rank": {
+                rec["global_rank"]: [rec["params_held"], rec["vm_hwm"], rec["ru_maxrss"]] for rec in ends
+            },
+        }
+    return per_repeat
+
+
 def memory_rows(results, depths: list) -> tuple:
     rows, notes = [], []
     for depth in depths:
-        stats = {}
-        for key in ("ddp", "fsdp"):
-            per_repeat = {}
-            for r in _ok(results, section="memory", variant=key):
-                if r["model"]["depth"] != depth:
-                    continue
-                baseline = {rec["pid"]: rec["vm_rss"] for rec in r["records"] if rec["event"] == "init"}
-                ends = [rec for rec in r["records"] if rec["event"] == "fit_end"]
-                per_repeat[r["repeat"]] = {
-                    "wall": r["wall"],
-                    "params_total": ends[0]["params_total"],
-                    "params_held": max(rec["params_held"] for rec in ends),
-                    "peak": max(rec["vm_hwm"] for rec in ends),
-                    "above": max(rec["vm_hwm"] - baseline[rec["pid"]] for rec in ends),
-                    "ru_over_hwm": max(rec["ru_maxrss"] / rec["vm_hwm"] for rec in ends),
-                    "per_rank": {rec["global_rank"]: (rec["params_held"], rec["vm_hwm"], rec["ru_maxrss"])
-                                 for rec in ends},
+        for suffix, allocator in ALLOCATORS.items():
+            ddp, fsdp = (
+                _memory_stats(results, "ddp" + suffix, depth),
+                _memory_stats(results, "fsdp" + suffix, depth),
+            )
+            common = sorted(ddp.keys() & fsdp.keys())
+            if not common:
+                rows.append([f"{depth} x Linear({MEM_WIDTH})", allocator] + ["failed"] * 7)
+                continue
+            total = ddp[common[0]]["params_total"]
+            med = {
+                name: {
+                    field: statistics.median(x[field] for x in stats.values())
+                    for field in ("params_held", "peak", "above")
                 }
-            stats[key] = per_repeat
-        ddp, fsdp = stats["ddp"], stats["fsdp"]
-        common = sorted(ddp.keys() & fsdp.keys())
-        if not common:
-            rows.append([f"depth {depth}"] + ["failed"] * 8)
-            continue
-
-        def med(which, field):
-            return statistics.median(x[field] for x in which.values())
-
-        def ratio(field):
-            return _fmt_ratio([fsdp[r][field] / ddp[r][field] for r in common])
-
-        total = ddp[common[0]]["params_total"]
-        rows.append([
-            f"{total / 1e6:.1f}M ({depth} x Linear({MEM_WIDTH}))",
-            f"{med(ddp, 'params_held') / 1e6:.1f}M / {med(fsdp, 'params_held') / 1e6:.1f}M",
-            ratio("params_held"),
-            f"{med(ddp, 'peak') / 1024:.0f} / {med(fsdp, 'peak') / 1024:.0f}",
-            ratio("peak"),
-            f"{med(ddp, 'above') * 1024 / total:.1f} / {med(fsdp, 'above') * 1024 / total:.1f}",
-            ratio("above"),
-            ratio("wall"),
-        ])
-        worst = max(max(x["ru_over_hwm"] for x in ddp.values()), max(x["ru_over_hwm"] for x in fsdp.values()))
-        notes.append((depth, worst, {k: v[common[0]]["per_rank"] for k, v in stats.items()}))
-    head = ["model (params)", "params/rank DDP / FSDP", "FSDP/DDP", "peak RSS/rank MiB DDP / FSDP",
-            "FSDP/DDP", "above baseline, bytes/param DDP / FSDP", "FSDP/DDP", "wall FSDP/DDP"]
-    out = [f"**HydraFSDP vs HydraDDP, 2 ranks, Adam** (CPU/gloo, {MEM_STEPS} steps of batch {MEM_BATCH};"
-           " FSDP auto-wrapped per Linear; per rank = the larger of the 2 ranks; peak = VmHWM at the end of fit;"
-           " baseline = the rank's RSS before its model was built; ratios: median (range) per repeat)", ""]
+                for name, stats in (("ddp", ddp), ("fsdp", fsdp))
+            }
+            ratio = {
+                field: _fmt_ratio([fsdp[r][field] / ddp[r][field] for r in common])
+                for field in ("params_held", "peak", "above", "wall")
+            }
+            rows.append(
+                [
+                    f"{total / 1e6:.1f}M ({depth} x Linear({MEM_WIDTH}))",
+                    allocator,
+                    f"{med['ddp']['params_held'] / 1e6:.1f}M / {med['fsdp']['params_held'] / 1e6:.1f}M",
+                    ratio["params_held"],
+                    f"{med['ddp']['peak'] / 1024:.0f} / {med['fsdp']['peak'] / 1024:.0f}",
+                    ratio["peak"],
+                    f"{med['ddp']['above'] * 1024 / total:.1f} / {med['fsdp']['above'] * 1024 / total:.1f}",
+                    ratio["above"],
+                    ratio["wall"],
+                ]
+            )
+            worst = max(x["ru_over_hwm"] for x in list(ddp.values()) + list(fsdp.values()))
+            notes.append(
+                (
+                    depth,
+                    allocator,
+                    worst,
+                    {"ddp": ddp[common[0]]["per_rank"], "fsdp": fsdp[common[0]]["per_rank"]},
+                )
+            )
+    head = [
+        "model (params)",
+        "allocator",
+        "params/rank DDP / FSDP",
+        "FSDP/DDP",
+        "peak RSS/rank MiB DDP / FSDP",
+        "FSDP/DDP",
+        "peak above baseline, bytes/param DDP / FSDP",
+        "FSDP/DDP",
+        "wall FSDP/DDP",
+    ]
+    out = [
+        (
+            f"**HydraFSDP vs HydraDDP, 2 ranks, Adam** (CPU/gloo, one job, {MEM_STEPS} steps of batch"
+            f" {MEM_BATCH}; FSDP auto-wrapped per Linear; per rank = the larger of the 2 ranks; peak = VmHWM at"
+            " the end of fit; baseline = the rank's RSS before its model was built; ratios: median (range) of"
+            " per-repeat ratios)"
+        ),
+        "",
+    ]
     return out + _table(head, rows), notes
 
 
@@ -488,38 +674,51 @@ def header(args, started: float, load_start: tuple, elapsed: float) -> list:
         except md.PackageNotFoundError:
             return "not installed"
 
-    cpu = "unknown CPU"
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    mem = "?"
-    try:
-        kib = int(next(line.split()[1] for line in open("/proc/meminfo") if line.startswith("MemTotal")))
-        mem = f"{kib / 2**20:.1f} GiB"
-    except (OSError, StopIteration):
-        pass
+    cpu = _proc_field("/proc/cpuinfo", "model name", ":") or "unknown CPU"
+    mem_kib = _proc_field("/proc/meminfo", "MemTotal", ":")
+    mem = f"{int(mem_kib.split()[0]) / 2**20:.1f} GiB" if mem_kib else "? GiB"
     commit = _git("rev-parse", "--short", "HEAD") or "unknown commit"
     dirty = _git("status", "--porcelain", "--", "hydra_fsdp.py")
     load_end = os.getloadavg()
+    command = " ".join(["python bench/run.py", *sys.argv[1:]])
     return [
-        f"- **Machine**: {cpu}, {os.cpu_count()} CPUs, {mem}, {platform.system()} {platform.release()};"
-        f" load average {load_start[0]:.1f} at the start, {load_end[0]:.1f} at the end"
-        " (other work was running: figures are ratios for that reason)",
-        f"- **Libraries**: Python {platform.python_version()}, torch {version('torch')},"
-        f" pytorch-lightning {version('pytorch-lightning')}, hydra-core {version('hydra-core')},"
-        f" hydra-zen {version('hydra-zen')}; hydra_fsdp.py at {commit}{' with local changes' if dirty else ''}",
-        f"- **Run**: `python bench/run.py {' '.join(sys.argv[1:])}`".rstrip() +
-        f", {args.repeats} repeat(s), {elapsed / 60:.1f} min,"
-        f" started {datetime.datetime.fromtimestamp(started):%Y-%m-%d %H:%M}; sweep model:"
-        f" {TINY['depth']} x Linear({TINY['width']}), {TINY['steps']} steps of batch {TINY['batch']} a job;"
-        " CPU, gloo",
+        (
+            f"- **Machine**: {cpu}, {os.cpu_count()} CPUs, {mem}, {platform.system()} {platform.release()};"
+            f" load average {load_start[0]:.1f} at the start, {load_end[0]:.1f} at the end"
+            " (other work was running: figures are ratios for that reason)"
+        ),
+        (
+            f"- **Libraries**: Python {platform.python_version()}, torch {version('torch')},"
+            f" pytorch-lightning {version('pytorch-lightning')}, hydra-core {version('hydra-core')},"
+            f" hydra-zen {version('hydra-zen')}; hydra_fsdp.py at {commit}{' with local changes' if dirty else ''}"
+        ),
+        (
+            f"- **Run**: `{command}`, {args.repeats} repeat(s)"
+            f"{f' ({args.memory_repeats} for memory)' if 'memory' in args.sections else ''},"
+            f" {elapsed / 60:.1f} min, started {datetime.datetime.fromtimestamp(started):%Y-%m-%d %H:%M};"
+            f" sweep model: {TINY['depth']} x Linear({TINY['width']}), {TINY['steps']} steps of batch"
+            f" {TINY['batch']} a job; CPU, gloo"
+        ),
     ]
+
+
+def _proc_field(path: str, key: str, sep: str) -> str:
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(key):
+                    return line.split(sep, 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 def _git(*args) -> str:
     try:
-        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=30).stdout.strip()
+        proc = subprocess.run(
+            ["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=30, check=False
+        )
+        return proc.stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
 
@@ -529,22 +728,45 @@ def _git(*args) -> str:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="N=1,4, 1 repeat, a 12M model, the 4-rank stagger at N=1: a few minutes")
-    parser.add_argument("--ns", type=lambda s: [int(x) for x in s.split(",")], help="jobs per sweep (default 1,4,16)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="N=1,4, 1 repeat, a 12M model, the 4-rank stagger at N=1: a few minutes",
+    )
+    parser.add_argument(
+        "--ns", type=lambda s: [int(x) for x in s.split(",")], help="jobs per sweep (default 1,4,16)"
+    )
     parser.add_argument("--repeats", type=int, help="repeats of the sweep section (default 3; --quick 1)")
-    parser.add_argument("--memory-repeats", type=int, help="repeats of the memory section (default 2; --quick 1)")
-    parser.add_argument("--depths", type=lambda s: [int(x) for x in s.split(",")],
-                        help=f"memory models, in Linear({MEM_WIDTH}) layers (default 3,12,24 = 12.6M,50.4M,100.7M)")
-    parser.add_argument("--sections", default="sweep,stagger,memory",
-                        help="any of sweep (with start-up), stagger, memory")
-    parser.add_argument("--hydra-ddp-extra", action="append", default=[], metavar="OVERRIDE",
-                        help="add variant a+ = HydraDDP (a) with this Hydra override too (repeatable)")
-    parser.add_argument("--hydra-ddp-extra-env", action="append", default=[], metavar="KEY=VALUE",
-                        help="add variant a+ = HydraDDP (a) with this environment variable too (repeatable)")
+    parser.add_argument(
+        "--memory-repeats", type=int, help="repeats of the memory section (default 2; --quick 1)"
+    )
+    parser.add_argument(
+        "--depths",
+        type=lambda s: [int(x) for x in s.split(",")],
+        help=f"memory models, in Linear({MEM_WIDTH}) layers (default 3,12,24 = 12.6M,50.4M,100.7M)",
+    )
+    parser.add_argument(
+        "--sections", default="sweep,stagger,memory", help="any of sweep (with start-up), stagger, memory"
+    )
+    parser.add_argument(
+        "--hydra-ddp-extra",
+        action="append",
+        default=[],
+        metavar="OVERRIDE",
+        help="add variant a+ = HydraDDP (a) with this Hydra override too (repeatable)",
+    )
+    parser.add_argument(
+        "--hydra-ddp-extra-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="add variant a+ = HydraDDP (a) with this environment variable too (repeatable)",
+    )
     parser.add_argument("--hydra-ddp-extra-label", default="HydraDDP + extra", help="the name of variant a+")
     parser.add_argument("--workdir", help="where the runs go (default: a new temporary directory)")
-    parser.add_argument("--keep", action="store_true", help="keep the run directories (logs, sweeps, records)")
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the run directories (logs, sweeps, records)"
+    )
     parser.add_argument("--json", help="also write every measurement to this JSON file")
     args = parser.parse_args(argv)
     if args.ns is None:
@@ -568,7 +790,7 @@ def main(argv=None) -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="hydra_fsdp_bench_"))
     workdir.mkdir(parents=True, exist_ok=True)
     _progress(f"runs go to {workdir}")
-    runner = Runner(workdir, verbose=True)
+    runner = Runner(workdir)
     variants = sweep_variants(args)
     stagger = stagger_variants()
     memory = memory_variants()
@@ -594,7 +816,7 @@ def main(argv=None) -> int:
         for repeat in range(args.memory_repeats):
             for depth in args.depths:
                 model = {"width": MEM_WIDTH, "depth": depth, "batch": MEM_BATCH, "steps": MEM_STEPS}
-                for key in _rotated(["ddp", "fsdp"], repeat + depth):
+                for key in _rotated(list(memory), repeat + depth):
                     runner.run(memory[key], 1, repeat, "memory", model=model)
 
     elapsed = time.perf_counter() - t0
@@ -608,18 +830,30 @@ def main(argv=None) -> int:
     if "memory" in args.sections:
         table, notes = memory_rows(results, args.depths)
         out += table + [""]
-        for depth, worst, per_rank in notes:
+        for depth, allocator, worst, per_rank in notes:
             if worst > 1.1:
-                out.append(f"- depth {depth}: `ru_maxrss` exceeds VmHWM by up to {worst:.2f}x on some rank"
-                           " (Linux carries the spawning parent's peak over a vfork+exec into the child's"
-                           " ru_maxrss); per rank (params held, VmHWM KiB, ru_maxrss KiB):"
-                           f" {json.dumps(per_rank)}")
+                out.append(
+                    f"- depth {depth}, {allocator}: `ru_maxrss` exceeds VmHWM by up to {worst:.2f}x on a rank"
+                    " (Linux carries the spawning parent's peak over a vfork+exec into the child's"
+                    " ru_maxrss); per rank (params held, VmHWM KiB, ru_maxrss KiB):"
+                    f" {json.dumps(per_rank)}"
+                )
         out.append("")
-    if runner.failures:
-        out += ["**Failures**", ""]
-        for failure in runner.failures:
-            out += [f"- {failure['what']}: {failure['error']} (log: {failure['log']})", "", "```",
-                    failure["tail"], "```", ""]
+    for title, items in (
+        ("**Runs that finished but exited non-zero** (their times count)", runner.exit_notes),
+        ("**Failures** (left out of the tables)", runner.failures),
+    ):
+        if items:
+            out += [title, ""]
+        for failure in items:
+            out += [
+                f"- {failure['what']}: {failure['error']} (log: {failure['log']})",
+                "",
+                "```",
+                failure["tail"],
+                "```",
+                "",
+            ]
     print("\n".join(out))
 
     if args.json:
