@@ -104,6 +104,9 @@ _RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WOR
 # Set in the environment of the child ranks hydra_fsdp starts: the plan they run.
 _PLAN_ENV = "HYDRA_FSDP_PLAN"
 _DIFFERENCES_SHOWN = 5
+# How often rank 0 looks at its children's check-ins and exits: each look is cheap, and each
+# wait for it is on the path of every job.
+_POLL_INTERVAL = 0.01
 _LOG_TAIL_LINES = 20
 # After rank 0 saw a collective fail, how long a child that caused it may take to exit.
 _PEER_EXIT_GRACE = 2.0
@@ -403,7 +406,7 @@ class _ChildRanks:
                     f" and were ended. {self._describe(late[0])} Raise rank_timeout on the strategy if"
                     " they only start slowly."
                 )
-            time.sleep(0.05)
+            time.sleep(_POLL_INTERVAL)
 
     def raise_if_any_failed(self) -> None:
         for rank, proc in self.procs.items():
@@ -426,7 +429,7 @@ class _ChildRanks:
                     f"Child rank(s) {late} were still running {self.timeout:g} s after rank 0 finished"
                     f" the stage and were ended. {self._describe(late[0])}"
                 )
-            time.sleep(0.05)
+            time.sleep(_POLL_INTERVAL)
 
     def first_failure(self, grace: float) -> Optional[int]:
         """Return the rank that failed on its own, giving children ``grace`` s to exit."""
