@@ -369,6 +369,9 @@ class _ChildRanks:
     def start(self, delay: float) -> None:
         """Hand this stage to warm children of an earlier job, or spawn new ones."""
         warm_children = _WARM_CHILDREN.pop(self.num_processes, None) if self.warm else None
+        if warm_children is not None and any(proc.poll() is not None for proc in warm_children.values()):
+            _end(warm_children)  # one died while it waited (OOM killer, an operator): start afresh
+            warm_children = None
         if warm_children is not None:
             self.procs = warm_children
             for rank, proc in self.procs.items():
@@ -452,12 +455,7 @@ class _ChildRanks:
         return running
 
     def end(self) -> None:
-        """SIGKILL every child still running and reap it: a rank stuck in a collective ignores less."""
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.kill()
-        for proc in self.procs.values():
-            proc.wait()
+        _end(self.procs)
 
     def close(self, succeeded: bool) -> None:
         """Keep warm children for the next job if every rank finished; end the rest."""
@@ -490,11 +488,20 @@ class _ChildRanks:
 _WARM_CHILDREN: dict[int, dict[int, subprocess.Popen]] = {}
 
 
+def _end(procs: dict[int, subprocess.Popen]) -> None:
+    """SIGKILL every child still running and reap it: a rank stuck in a collective ignores less."""
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+    for proc in procs.values():
+        proc.wait()
+
+
 def _keep_warm(world_size: int, procs: dict[int, subprocess.Popen]) -> None:
-    if not _WARM_CHILDREN:
-        atexit.register(_end_warm_children)
     _end_warm_children()  # one set at a time: a sweep of another world size would strand them
     _WARM_CHILDREN[world_size] = procs
+    atexit.unregister(_end_warm_children)  # registered once, however many jobs kept children
+    atexit.register(_end_warm_children)
 
 
 def _end_warm_children() -> None:

@@ -72,6 +72,15 @@ def test_failed_warm_child_is_replaced_for_the_next_job(app, how):
     assert failed not in child_pids(app, [1, 2]) and len(set(child_pids(app, [1, 2]))) == 1
 
 
+def test_warm_child_that_died_between_jobs_is_replaced(app):
+    ok(sweep_in(app, WARM, "module.lr=0.1,0.2,0.3", "module.fail_rank=0", "module.fail_how=init_kill_warm_child",
+                "module.fail_job=1"))  # fmt: skip
+    for job in ("0", "1", "2"):
+        assert_ranks_agree(app / "sweep" / job)
+    first, second, third = child_pids(app, [0, 1, 2])
+    assert first != second == third, "job 1 found its warm child dead, started one, and job 2 reused it"
+
+
 def test_rank0_failure_replaces_warm_children(app):
     proc = sweep_in(app, WARM, "module.lr=0.1,0.2", "module.fail_rank=0", "module.fail_how=train_raise")
     assert proc.returncode != 0 and "injected failure on rank 0" in proc.stderr

@@ -2,7 +2,8 @@
 
 Every rank writes what it saw to <job dir>/seen/<stage>_rank<N>.json, and its pid and state to
 <job dir>/started/rank<N>.json as soon as its module is built. Failures are injected by
-module.fail_rank / module.fail_how ("<init|train>_<raise|kill|hang>") in job module.fail_job.
+module.fail_rank / module.fail_how ("<init|train>_<raise|kill|hang>", or "init_kill_warm_child"
+on rank 0: the warm child of the previous job is killed) in job module.fail_job.
 """
 
 import json
@@ -66,6 +67,13 @@ class Tiny(pl.LightningModule):
             os.kill(os.getpid(), 9)
         if how.endswith("hang"):
             time.sleep(10_000)
+        if how == "init_kill_warm_child":  # rank 0, before fit: the warm child of the last job dies
+            previous = job_dir().parent / str(HydraConfig.get().job.num - 1) / "seen" / "fit_rank1.json"
+            pid = json.loads(previous.read_text())["pid"]
+            os.kill(pid, 9)
+            # until it can be reaped (this process is its parent); a zombie main thread is not enough
+            while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+                time.sleep(0.05)
 
     def forward(self, x):
         return self.net(x)
