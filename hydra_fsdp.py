@@ -98,8 +98,10 @@ DEFAULT_RANK_TIMEOUT = 600.0
 _PLAN_FILE = "rank_plan.yaml"
 _CHECK_IN_KEY = "hydra_fsdp/ready/{}"
 _DONE_KEY = "hydra_fsdp/done/{}"
-# What a launch sets in rank 0's environment; restored afterwards so the next job of the
-# sweep neither reuses this job's port nor mistakes itself for a child (``LOCAL_RANK``).
+# What a launch may change in rank 0's environment (it sets MASTER_PORT; Lightning sets
+# MASTER_ADDR/MASTER_PORT and its teardown deletes WORLD_SIZE): put back as it was afterwards,
+# so that the next job of the sweep neither reuses this job's port nor mistakes itself for a
+# child, and nothing a scheduler set is lost.
 _RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
 # Set in the environment of the child ranks hydra_fsdp starts: the plan they run.
 _PLAN_ENV = "HYDRA_FSDP_PLAN"
@@ -553,10 +555,11 @@ class _HydraRankLauncher:
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         strategy = self.strategy
         env = strategy.cluster_environment
-        if env.creates_processes_externally:
+        started_by_engine = env.creates_processes_externally
+        if started_by_engine:
             _check_launched_world_size(strategy.num_nodes, strategy.num_processes)
         env.validate_settings(num_devices=strategy.num_processes, num_nodes=strategy.num_nodes)
-        if env.creates_processes_externally:
+        if started_by_engine:
             return function(*args, **kwargs)
         if strategy.num_nodes > 1:
             raise RankLaunchError(
@@ -607,16 +610,14 @@ class _HydraRankLauncher:
             self.children.end()
 
     def _job_error(self, error: BaseException) -> BaseException:
+        """The error the job fails with. The children are ended after it, by ``close``."""
         children = self.children
         if self.signal_received is not None:
-            children.end()
             return SystemExit(128 + self.signal_received)
         if isinstance(error, (ChildRankError, KeyboardInterrupt, SystemExit)):
-            children.end()
             return error
         failed = children.first_failure(grace=_PEER_EXIT_GRACE)
         if failed is not None:
-            children.end()
             return ChildRankError(f"Child rank {failed} failed: {children._describe(failed)}")
         # Rank 0's own error, or a collective that timed out on a child that hangs: rank 0's
         # traceback stays the story, and each child's log shows where it stood when ended.

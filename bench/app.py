@@ -8,13 +8,15 @@
 ``stock_ddp`` (the string "ddp", as a user would write ``Trainer(strategy="ddp")``). Every rank
 appends what it measured to ``$BENCH_RECORD_DIR/<pid>.jsonl`` (see probe.py): when this script
 was loaded, when the process group was up, parameters held and memory at the end of fit.
-The LightningModule is defined here, so HydraDDP's child ranks find it as ``__main__.Bench``.
+The LightningModule (model.Bench) is subclassed here, so HydraDDP's child ranks must find it
+as ``__main__.Bench``, as a user's would be.
 """
 
+import model
 import pytorch_lightning as pl
 import torch
 from hydra_zen import builds, make_config, store, zen
-from probe import memory_kib, record
+from probe import record
 
 from hydra_fsdp import HydraDDP, HydraFSDP
 
@@ -31,69 +33,11 @@ def _job_num() -> int:
     return 0 if num is None else int(num)
 
 
-class Bench(pl.LightningModule):
-    """``depth`` Linear(width, width) layers with ReLUs between, Adam, ``steps`` batches of noise.
+class Bench(model.Bench):
+    """model.Bench, its records numbered by the Hydra job; defined in this script on purpose."""
 
-    Parameters: depth * (width**2 + width); width=2048: depth 3 ~ 12.6M, 12 ~ 50.4M, 24 ~ 100.7M.
-    """
-
-    def __init__(
-        self,
-        width: int = 32,
-        depth: int = 2,
-        batch: int = 8,
-        steps: int = 4,
-        lr: float = 1e-3,
-        trial: int = 0,
-    ):
-        super().__init__()
-        record("init", job=_job_num(), **memory_kib())  # the baseline: before the weights exist
-        self.lr, self.width, self.batch, self.steps = lr, width, batch, steps
-        torch.manual_seed(trial)
-        layers = []
-        for i in range(depth):
-            layers += [torch.nn.Linear(width, width)] + ([torch.nn.ReLU()] if i < depth - 1 else [])
-        self.net = torch.nn.Sequential(*layers)
-        self.params_total = sum(p.numel() for p in self.net.parameters())
-
-    def setup(self, stage: str) -> None:
-        # Lightning calls this after the strategy joined the process group (and a barrier)
-        record(
-            "setup",
-            stage=stage,
-            job=_job_num(),
-            global_rank=self.global_rank,
-            world=self.trainer.world_size,
-            process_group=torch.distributed.is_available() and torch.distributed.is_initialized(),
-            strategy=type(self.trainer.strategy).__name__,
-        )
-
-    def forward(self, x):
-        return self.net(x)
-
-    def training_step(self, batch, batch_idx):
-        (x,) = batch
-        return torch.nn.functional.mse_loss(self(x), x)
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=self.lr)
-
-    def train_dataloader(self):
-        x = torch.randn(self.steps * self.batch * 8, self.width, generator=torch.Generator().manual_seed(0))
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=self.batch)
-
-    def on_train_end(self) -> None:
-        record(
-            "fit_end",
-            job=_job_num(),
-            global_rank=self.global_rank,
-            world=self.trainer.world_size,
-            strategy=type(self.trainer.strategy).__name__,
-            params_held=sum(p.numel() for p in self.trainer.model.parameters()),
-            params_total=self.params_total,
-            steps_done=self.trainer.global_step,
-            **memory_kib(),
-        )
+    def job(self) -> int:
+        return _job_num()
 
 
 Trainer = builds(
