@@ -5,66 +5,76 @@ Why
 Lightning starts ranks 1..N-1 by re-running ``sys.argv``. Inside a Hydra sweep that is the
 *sweep* command, so every child rank re-runs the whole sweep (or the wrong job). ``HydraDDP``
 and ``HydraFSDP`` instead start every child rank of a job from **that job's own saved config**,
-``<job output dir>/<hydra.output_subdir>/config.yaml``, so every rank of every job trains what
-rank 0 trains.
+``<job output dir>/<hydra.output_subdir>/config.yaml``, and run the job's own task function on
+it: every rank of every job runs what rank 0 runs, as every rank runs your script under stock
+DDP outside Hydra.
 
 Use
 ---
 With hydra-zen::
 
-    from hydra_zen import builds, make_config
-    import pytorch_lightning as pl
+    import lightning.pytorch as pl                   # or: import pytorch_lightning as pl
+    from hydra_zen import builds, make_config, zen
     from hydra_fsdp import HydraDDP, HydraFSDP
 
     Trainer = builds(pl.Trainer, accelerator="gpu", devices=2, strategy=builds(HydraFSDP))
-    Config = make_config(trainer=Trainer, module=builds(MyModule), datamodule=builds(MyData))
+    Config = make_config(trainer=Trainer, module=builds(MyModule))
 
-    def task(trainer, module, datamodule):          # run with zen(task)
-        trainer.fit(module, datamodule=datamodule)
+    def train(trainer, module):                      # runs on every rank of every job
+        trainer.fit(module)
+        trainer.test(module, ckpt_path="best")
 
-or in plain YAML ``strategy: {_target_: hydra_fsdp.HydraFSDP}``. The job's config must hold
-``trainer`` and ``module`` (``datamodule`` is optional; ``module_key``/``datamodule_key`` name
-other keys); child ranks instantiate them and call the stage rank 0 called (fit, validate, test,
-predict) with the ``ckpt_path`` rank 0 got.
+    if __name__ == "__main__":
+        zen(train).hydra_main(config_name=..., config_path=None, version_base="1.3")
 
-``hydra_fsdp.HydraDDP``/``HydraFSDP`` subclass ``pytorch_lightning``'s strategies (or
-``lightning.pytorch``'s when it is the only one installed); ``hydra_fsdp.lightning.HydraDDP``/
-``HydraFSDP`` subclass ``lightning.pytorch``'s. Use the one of your Trainer's namespace.
+or in YAML ``strategy: {_target_: hydra_fsdp.HydraDDP}``, with any task function
+(``@hydra.main``, ``zen(...)``, ``hydra_zen.launch``). Whatever it builds -- callbacks, loggers,
+dataloaders, a second Trainer -- every rank builds the same. ``hydra_fsdp.HydraDDP`` subclasses the
+Lightning your program imported (``lightning.pytorch`` or ``pytorch_lightning``);
+``hydra_fsdp.lightning.*`` and ``hydra_fsdp.pytorch_lightning.*`` name one explicitly.
 
-Arguments beyond Lightning's: ``rank_timeout`` (s, default 600), ``module_key``,
-``datamodule_key``, ``warm_ranks`` (keep child ranks for the sweep's next job; default off).
-``MUSHIN_DDP_LAUNCH_DELAY`` (seconds, default 1, ``0`` disables) is waited between two child
-spawns. Each child rank writes its output to ``<job dir>/rank_<N>.log``.
+Arguments beyond Lightning's: ``rank_timeout`` (s, default 600), and ``module_key`` /
+``datamodule_key`` for the fallback below. ``MUSHIN_DDP_LAUNCH_DELAY`` (seconds, default 1, ``0``
+disables) is waited between two child starts. Child rank N writes to ``<job dir>/rank_N.log``.
 
 How
 ---
-For every stage, rank 0 writes ``<job dir>/<hydra.output_subdir>/rank_plan.yaml`` (the job's
-config resolved as rank 0 resolves it, Hydra's runtime config, the stage, the checkpoint, the
-working directory and ``sys.path``) and starts each child rank as::
+At a job's first stage rank 0 saves, beside the job's config, what a child needs to stand where
+rank 0 stands (the task function, by reference as multiprocessing's spawn passes it; the
+``${now:...}`` values rank 0 resolved; Hydra's runtime config; working directory, ``sys.path``),
+binds a free port and starts each child rank as::
 
     LOCAL_RANK=1 NODE_RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=<port> \\
-        python /path/to/hydra_fsdp.py <job dir>/.hydra/rank_plan.yaml
+        python /path/to/hydra_fsdp.py <job dir>/.hydra/config.yaml
 
-Rank 0 holds the rendezvous port for the whole stage, so concurrent sweeps never collide, and
-waits for every child to check in before it joins the process group: a child that dies while
-starting fails its job at once instead of hanging the rendezvous. A failed rank fails its job,
-never the sweep: the other ranks are ended, the error names the rank, its exit code and its log.
+A child imports rank 0's script as ``__mp_main__``, loads the config and calls the task
+function with it. Children and the process group live until Hydra ends the job; then rank 0
+checks the children's exit codes. A failed rank fails its job, never the sweep. A task function
+that cannot be pickled by reference (a lambda, a closure, one typed into an interactive session)
+cannot reach a child: children then instantiate the config's ``trainer`` and ``module`` (and
+``datamodule``) and run the stages rank 0 runs -- the fallback, said in one logged line.
 
-Under torchrun or SLURM the engine starts every rank: the strategies spawn nothing, check the
-world size before the rendezvous, and make the ranks compare the job they each resolved.
+Before every stage, once the process group is up, the ranks compare what they are about to run
+(stage, callbacks, loggers, limits, module and its parameter shapes, data, checkpoint, config)
+and fail the job with the differences rather than deadlock on different collectives. Under
+torchrun or SLURM the engine starts every rank: the strategies spawn nothing, check the world
+size before the rendezvous, and compare the same way.
 """
 
 import atexit
 import faulthandler
 import functools
-import gc
+import hashlib
 import importlib
 import importlib.util
 import inspect
+import io
+import itertools
 import json
 import logging
 import math
 import os
+import pickle
 import re
 import runpy
 import signal
@@ -72,6 +82,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import types
 from datetime import timedelta
 from enum import Enum
@@ -81,11 +92,15 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.utils import JobStatus, setup_globals
+from hydra.experimental.callback import Callback
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 __all__ = ["HydraDDP", "HydraFSDP", "RankLaunchError", "ChildRankError"]  # noqa: F822 - built on first use
+
+log = logging.getLogger(__name__)
 
 # The Lightning namespaces, by the name a user reaches them under: ``hydra_fsdp.HydraDDP`` is
 # built on the first one installed, ``hydra_fsdp.lightning.HydraDDP`` on ``lightning.pytorch``.
@@ -95,30 +110,33 @@ _PIP_NAMES = {"pytorch_lightning": "pytorch-lightning", "lightning": "lightning"
 LAUNCH_DELAY_ENV = "MUSHIN_DDP_LAUNCH_DELAY"
 DEFAULT_LAUNCH_DELAY = 1.0
 DEFAULT_RANK_TIMEOUT = 600.0
-_PLAN_FILE = "rank_plan.yaml"
+# Beside the job's config.yaml: what a child rank needs besides the config (see _write_launch).
+_LAUNCH_FILE = "rank_launch.pickle"
+# Set in the environment of the child ranks hydra_fsdp starts: the saved config they run.
+_CHILD_ENV = "HYDRA_FSDP_CONFIG"
 _CHECK_IN_KEY = "hydra_fsdp/ready/{}"
-_DONE_KEY = "hydra_fsdp/done/{}"
-# What a launch may change in rank 0's environment (it sets MASTER_PORT; Lightning sets
+_STAGE_KEY = "hydra_fsdp/stage/{}"  # the fallback: the stages rank 0 runs, in order
+# What a job may change in rank 0's environment (it sets MASTER_PORT; Lightning sets
 # MASTER_ADDR/MASTER_PORT and its teardown deletes WORLD_SIZE): put back as it was afterwards,
 # so that the next job of the sweep neither reuses this job's port nor mistakes itself for a
 # child, and nothing a scheduler set is lost.
 _RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
-# Set in the environment of the child ranks hydra_fsdp starts: the plan they run.
-_PLAN_ENV = "HYDRA_FSDP_PLAN"
-_DIFFERENCES_SHOWN = 5
 # How often rank 0 looks at its children's check-ins and exits: each look is cheap, and each
 # wait for it is on the path of every job.
 _POLL_INTERVAL = 0.01
 _LOG_TAIL_LINES = 20
+_DIFFERENCES_SHOWN = 5
 # After rank 0 saw a collective fail, how long a child that caused it may take to exit.
 _PEER_EXIT_GRACE = 2.0
 # A child dumps its stack to its log on this signal (faulthandler), before it is ended.
 _STACK_DUMP_SIGNAL = signal.SIGUSR1
 _STACK_DUMP_WAIT = 0.5
+# A child waits on rank 0's store without a deadline of its own: rank 0 ends its children itself.
+_CHILD_STORE_TIMEOUT = timedelta(days=1)
 
 
 class RankLaunchError(RuntimeError):
-    """The job's ranks cannot all run the same job: raised before it trains, nothing left running."""
+    """The job's ranks cannot all run the same job: raised before they diverge, nothing left running."""
 
 
 class ChildRankError(RuntimeError):
@@ -144,8 +162,25 @@ def _launch_delay() -> float:
     return delay
 
 
+def _hydra_job() -> Optional[dict]:
+    """The locals of the frame running this process's Hydra job, or None outside one.
+
+    On rank 0 (and under torchrun or SLURM) that is Hydra's ``run_job``, which holds the task
+    function, its config (``task_cfg``), the job's ``hydra_context`` and its ``ret``: Hydra keeps
+    no public handle on them. On a child rank it is ``_run_child_rank``, holding the same names.
+    """
+    from hydra.core.utils import run_job
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in (run_job.__code__, _run_child_rank.__code__):
+            return frame.f_locals
+        frame = frame.f_back
+    return None
+
+
 def _saved_config_path() -> Path:
-    if not HydraConfig.initialized():
+    if not HydraConfig.initialized() or _hydra_job() is None:
         raise RankLaunchError(
             "HydraDDP/HydraFSDP start child ranks from the running Hydra job's saved config, but no"
             " Hydra job is running here. Call trainer.fit/validate/test/predict inside a Hydra task"
@@ -159,60 +194,22 @@ def _saved_config_path() -> Path:
             " have nothing to start from. Remove the hydra.output_subdir=null override (its default"
             " is .hydra)."
         )
-    return Path(hydra_cfg.runtime.output_dir, hydra_cfg.output_subdir, "config.yaml")
-
-
-def _load_saved_config(path: Path, required: tuple[str, ...]) -> DictConfig:
+    path = Path(hydra_cfg.runtime.output_dir, hydra_cfg.output_subdir, "config.yaml")
     if not path.is_file():
         raise RankLaunchError(
             f"The job's saved config {path} does not exist, so child ranks have nothing to start"
             " from. Hydra writes it at job start unless hydra.output_subdir is null or the file was"
             " moved; keep hydra.output_subdir set and the job directory in place."
         )
-    config = OmegaConf.load(path)
-    missing = [key for key in required if key not in config]
-    if missing:
-        raise RankLaunchError(
-            f"The job's saved config {path} has no {', '.join(repr(k) for k in missing)} key"
-            f" (it has: {', '.join(map(str, config.keys())) or 'nothing'}). Child ranks instantiate"
-            f" the trainer, module and datamodule from it: add the key(s) to your top-level config,"
-            " or tell the strategy where they are, e.g. HydraDDP(module_key='model')."
-        )
-    return config
-
-
-def _live_job_config() -> Optional[DictConfig]:
-    """Return the config object Hydra handed to the running task function, if any.
-
-    Hydra keeps no global handle on it, yet it carries rank 0's resolver cache: the
-    ``${now:...}`` values rank 0 has seen, which a fresh load of config.yaml would resolve to
-    the present instead. Hydra's ``run_job`` holds it as ``task_cfg``.
-    """
-    from hydra.core.utils import run_job
-
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is run_job.__code__:
-            return frame.f_locals.get("task_cfg")
-        frame = frame.f_back
-    return None
-
-
-def _resolved_as_rank_zero_sees_it(config: DictConfig) -> dict:
-    live = _live_job_config()
-    if live is not None:
-        _resolved_where_possible(live)  # caches every ${now:} rank 0 will read
-        OmegaConf.copy_cache(from_config=live, to_config=config)
-    else:
-        OmegaConf.copy_cache(from_config=HydraConfig.get()._get_root(), to_config=config)
-    return _resolved_where_possible(config)
+    return path
 
 
 def _resolved_where_possible(config: Any) -> Any:
     """Resolve every value of ``config`` as rank 0 does, for a child to read back literally.
 
     A value rank 0 cannot resolve either (``???``, or ``${hydra:job.num}`` outside a sweep) is
-    kept as written, so that it fails on a child where it would fail on rank 0.
+    kept as written, so that it fails on a child where it would fail on rank 0. Resolving also
+    caches every ``${now:...}`` in ``config``'s root, for the children to read the same.
     """
     if not OmegaConf.is_config(config):
         return _escaped(config.name if isinstance(config, Enum) else config)
@@ -238,7 +235,7 @@ def _escaped(value: Any) -> Any:
 
 
 def _launching_script() -> dict:
-    """Say how a child finds the classes of rank 0's ``__main__`` (``_target_: __main__.X``)."""
+    """Say how a child finds rank 0's ``__main__``: its task function, ``_target_: __main__.X``."""
     import __main__
 
     spec = getattr(__main__, "__spec__", None)
@@ -250,385 +247,441 @@ def _launching_script() -> dict:
     return {}  # an interactive session or a package's __main__: nothing safe to re-import
 
 
-# --------------------------------------------------------------------------- the plan
+# --------------------------------------------------------------------------- what a child runs
 
 
-def _write_rank_plan(lightning: types.ModuleType, stage_call: dict, keys: dict) -> Path:
-    """Write what every child rank of this stage runs next to the job's config; return its path.
+class _TaskPickler(pickle.Pickler):
+    """Pickle a task function by reference, as multiprocessing's spawn passes a child its target.
 
-    It holds the job's config resolved exactly as rank 0 resolves it (``${hydra:job.num}``,
-    ``${now:...}``), Hydra's runtime config, the stage and checkpoint, and what the child needs
-    to stand where rank 0 stands: working directory, ``sys.path``, ``sys.argv``, ``__main__``.
+    ``@hydra.main`` hands Hydra the undecorated ``main`` while the module's ``main`` is the
+    decorated one, which pickle's own by-reference lookup refuses: such a function is pickled as
+    "``__wrapped__``, n times, of the module's ``main``". ``modules`` collects the modules named.
     """
-    required = (keys["module_key"],) + ((keys["datamodule_key"],) if stage_call["datamodule"] else ())
-    saved_config = _saved_config_path()
-    config = _load_saved_config(saved_config, ("trainer",) + required)
-    process = {
-        "stage": stage_call["stage"],
-        "ckpt_path": stage_call["ckpt_path"],
-        "datamodule": stage_call["datamodule"],
-        "lightning": lightning.__name__,
-        "module_key": keys["module_key"],
-        "datamodule_key": keys["datamodule_key"],
-        "cwd": os.getcwd(),
-        "sys_path": sys.path,
-        "sys_argv": sys.argv,
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.modules: set = set()
+
+    def reducer_override(self, obj: Any) -> Any:
+        if not isinstance(obj, (types.FunctionType, type)):
+            return NotImplemented
+        self.modules.add(obj.__module__)
+        named, wrappers = _attribute(obj.__module__, obj.__qualname__), 0
+        while named is not None and named is not obj:
+            named, wrappers = getattr(named, "__wrapped__", None), wrappers + 1
+        if named is obj and wrappers:
+            return _unwrapped, (_attribute(obj.__module__, obj.__qualname__), wrappers)
+        return NotImplemented
+
+
+def _attribute(module: str, qualname: str) -> Any:
+    try:
+        return functools.reduce(getattr, qualname.split("."), sys.modules[module])
+    except (KeyError, AttributeError):
+        return None
+
+
+def _unwrapped(wrapper: Any, wrappers: int) -> Callable:
+    for _ in range(wrappers):
+        wrapper = wrapper.__wrapped__
+    return wrapper
+
+
+def _pickled_task(task_function: Callable) -> tuple[Optional[bytes], str]:
+    """The task function pickled by reference and ``""``, or None and why a child cannot have it."""
+    buffer = io.BytesIO()
+    pickler = _TaskPickler(buffer)
+    try:
+        pickler.dump(task_function)
+    except Exception as error:  # PicklingError, or whatever an object's own __reduce__ raises
+        return None, f"the task function cannot be pickled by reference: {error}"
+    if "__main__" in pickler.modules and not _launching_script():
+        return None, (
+            f"the task function {task_function!r} lives in an interactive session's __main__, which"
+            " a child rank cannot import"
+        )
+    return buffer.getvalue(), ""
+
+
+def _write_launch(config_path: Path, hydra_job: dict, strategy: "_HydraStrategy") -> bool:
+    """Save beside the job's config what a child needs to run the job as rank 0 runs it.
+
+    Return whether the children run the task function (else the fallback: the config contract).
+    """
+    task_cfg = hydra_job["task_cfg"]
+    _resolved_where_possible(task_cfg)  # caches every ${now:...} rank 0 will read
+    task, why_not = _pickled_task(hydra_job["task_function"])
+    if task is None:
+        contract_keys = ("trainer", strategy._config_keys["module_key"])
+        config = OmegaConf.load(config_path)
+        missing = [key for key in contract_keys if key not in config]
+        if missing:
+            raise RankLaunchError(
+                f"Child ranks cannot run this job: {why_not}, and the job's saved config {config_path}"
+                f" has no {', '.join(repr(k) for k in missing)} key (it has:"
+                f" {', '.join(map(str, config.keys())) or 'nothing'}) to build the trainer and module"
+                " from instead. Define the task function at the top level of an importable file, or"
+                " put the trainer and module in the config (the module's key may be named with"
+                " HydraDDP(module_key='model'))."
+            )
+        log.warning(f"hydra_fsdp: child ranks build the config's trainer and module, because {why_not}.")
+    launch = {
+        "module": __name__,
+        "sys_path": list(sys.path),
+        "sys_argv": list(sys.argv),
+        "cwd": hydra_job["ret"].working_dir,
         "main": _launching_script(),
+        "hydra": _resolved_where_possible(HydraConfig.get()),
+        "cache": OmegaConf.get_cache(task_cfg),
+        "struct": OmegaConf.is_struct(task_cfg),
+        "task": task,
+        "contract": strategy._config_keys,
     }
-    plan = dict(
-        _escaped(process),
-        hydra=_resolved_where_possible(HydraConfig.get()),
-        config=_resolved_as_rank_zero_sees_it(config),
-    )
-    path = saved_config.with_name(_PLAN_FILE)
-    OmegaConf.save(OmegaConf.create(plan), path)
-    return path
+    config_path.with_name(_LAUNCH_FILE).write_bytes(pickle.dumps(launch))
+    return task is not None
 
 
-def _stage_call(function: Callable, args: tuple, kwargs: dict, trainer: Any) -> dict:
-    """Read from rank 0's call what its children must repeat: stage, checkpoint, datamodule."""
-    call = inspect.signature(function).bind(*args, **kwargs).arguments
-    passed = [
-        name for name in ("train_dataloaders", "val_dataloaders", "dataloaders") if call.get(name) is not None
-    ]
-    # Lightning also takes a datamodule in the dataloaders' place
-    datamodules = [
-        name for name in passed if isinstance(call[name], trainer.strategy._lightning.LightningDataModule)
-    ]
-    dataloaders = [name for name in passed if name not in datamodules]
-    if dataloaders:
-        raise RankLaunchError(
-            f"trainer.{trainer.state.fn.value}() got {' and '.join(dataloaders)} directly, which child"
-            " ranks cannot rebuild: they only instantiate the job's config. Put the data in a"
-            " LightningDataModule under the config's datamodule key and pass it as datamodule=..., or"
-            " define the *_dataloader hooks on your LightningModule."
-        )
-    model = call["model"] if call.get("model") is not None else trainer.lightning_module
-    ckpt_path = trainer._checkpoint_connector._select_ckpt_path(
-        trainer.state.fn,
-        call.get("ckpt_path"),
-        model_provided=call.get("model") is not None,
-        model_connected=trainer.lightning_module is not None,
-    )
-    if ckpt_path is not None and "://" not in str(ckpt_path):
-        ckpt_path = os.path.abspath(ckpt_path)
-    return {
-        "stage": trainer.state.fn.value,
-        "ckpt_path": None if ckpt_path is None else str(ckpt_path),
-        "datamodule": call.get("datamodule") is not None or bool(datamodules),
-        "model": model,
-    }
+def _rank_launch(children: dict, world_size: int, address: str, port: int) -> None:
+    """Start child ranks 1..N-1 of the running Hydra job into ``children``, each as::
 
+        LOCAL_RANK=<r> NODE_RANK=0 WORLD_SIZE=<N> MASTER_ADDR=<address> MASTER_PORT=<port> \\
+        HYDRA_FSDP_CONFIG=<config> PYTHONUNBUFFERED=1 \\
+            python /path/to/hydra_fsdp.py <config>  < /dev/null  >> <job dir>/rank_<r>.log 2>&1
 
-# --------------------------------------------------------------------------- child processes
-
-
-class _ChildRanks:
-    """Ranks 1..N-1 of one stage of one job: started, awaited, checked, and ended.
-
-    Rank 0 binds the rendezvous port before it spawns anyone (a TCPStore that torch's own
-    ``init_process_group`` reuses), so two sweeps on one machine cannot pick the same port, and
-    children check in through it before anyone blocks in the rendezvous.
+    where ``<config>`` is the job's saved ``<job dir>/<hydra.output_subdir>/config.yaml``, with
+    the rest of rank 0's environment (``hydra.job.env_set`` included) and in its working
+    directory, ``MUSHIN_DDP_LAUNCH_DELAY`` seconds apart. Each started child is in ``children``
+    at once, so that whoever ends them finds every one, even if a later start fails.
     """
-
-    def __init__(
-        self, plan_path: Path, job_dir: Path, num_processes: int, address: str, timeout: float, warm: bool
-    ) -> None:
-        self.plan_path = plan_path
-        self.job_dir = job_dir
-        self.num_processes = num_processes
-        self.address = address
-        self.timeout = timeout
-        self.warm = warm
-        self.procs: dict[int, subprocess.Popen] = {}
-        # Port 0: the OS picks a port nobody holds, and we hold it until the stage ends. Never
-        # an earlier stage's port: its store may outlive it (an FSDP module keeps its process
-        # group), and its stale keys would send this stage's ranks to dead peers.
-        self._store = torch.distributed.TCPStore(
-            address, 0, is_master=True, multi_tenant=True, wait_for_workers=False
-        )
-        self.port = self._store.port
-
-    def log_path(self, rank: int) -> Path:
-        return self.job_dir / f"rank_{rank}.log"
-
-    def child_env(self, rank: int) -> dict:
-        env = dict(os.environ)
-        env.update(
-            MASTER_ADDR=self.address,
-            MASTER_PORT=str(self.port),
+    config_path = _saved_config_path()
+    delay = _launch_delay()
+    command = [sys.executable, os.path.abspath(__file__), str(config_path)]
+    job_dir = Path(HydraConfig.get().runtime.output_dir)
+    for rank in range(1, world_size):
+        if rank > 1 and delay:
+            time.sleep(delay)
+        env = dict(
+            os.environ,
+            MASTER_ADDR=address,
+            MASTER_PORT=str(port),
             NODE_RANK="0",
             LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(self.num_processes),
+            WORLD_SIZE=str(world_size),
             PYTHONUNBUFFERED="1",  # a killed child's log must still hold its last words
         )
-        env[_PLAN_ENV] = str(self.plan_path)
-        return env
+        env[_CHILD_ENV] = str(config_path)
+        with open(job_dir / f"rank_{rank}.log", "ab") as log_file:
+            children[rank] = subprocess.Popen(
+                command,
+                env=env,
+                cwd=os.getcwd(),
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+            )
 
-    def command(self) -> list[str]:
-        return [sys.executable, os.path.abspath(__file__), str(self.plan_path)]
 
-    def start(self, delay: float) -> None:
-        """Hand this stage to warm children of an earlier job, or spawn new ones."""
-        warm_children = _WARM_CHILDREN.pop(self.num_processes, None) if self.warm else None
-        if warm_children is not None and any(proc.poll() is not None for proc in warm_children.values()):
-            _end(warm_children)  # one died while it waited (OOM killer, an operator): start afresh
-            warm_children = None
-        if warm_children is not None:
-            self.procs = warm_children
-            for rank, proc in self.procs.items():
-                assignment = {
-                    "plan": str(self.plan_path),
-                    "env": self.child_env(rank),
-                    "log": str(self.log_path(rank)),
-                }
-                _send_line(proc, assignment)
-            return
-        for rank in range(1, self.num_processes):
-            if rank > 1 and delay:
-                time.sleep(delay)
-            with open(self.log_path(rank), "ab") as log:
-                self.procs[rank] = subprocess.Popen(
-                    self.command(),
-                    env=self.child_env(rank),
-                    cwd=os.getcwd(),
-                    # a warm child reads the stages of later jobs here; a cold one finds no more
-                    stdin=subprocess.PIPE if self.warm else subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
+# --------------------------------------------------------------------------- rank 0's job
+
+
+# The job whose child ranks are running, from its first stage until Hydra ends it.
+_running_job: Optional["_Job"] = None
+
+
+class _Job:
+    """Rank 0's side of one Hydra job: its child ranks, its port and its process group.
+
+    Started at the job's first stage and ended when Hydra ends the job (an ``on_job_end``
+    callback added to the running Hydra's callbacks), so that the task function's sequence of
+    stages -- fit then test, a second Trainer -- runs on one set of ranks, as under stock DDP.
+    """
+
+    def __init__(self, strategy: "_HydraStrategy", hydra_job: dict) -> None:
+        self.job_return = hydra_job["ret"]
+        self.world_size = strategy.world_size
+        self.timeout = strategy.rank_timeout
+        self.job_dir = Path(HydraConfig.get().runtime.output_dir)
+        self.children: dict[int, subprocess.Popen] = {}
+        self.checked_in = False
+        self.runs_task = True
+        self.stages_announced = 0
+        self.signal_received: Optional[int] = None
+        self.saved_env = {key: os.environ.get(key) for key in _RENDEZVOUS_ENV}
+        # Port 0: the OS picks a port nobody holds, and we hold it until the job ends. torch's
+        # own init_process_group reuses this store (multi_tenant), and children check in here.
+        address = strategy.cluster_environment.main_address
+        self.store = torch.distributed.TCPStore(
+            address, 0, is_master=True, multi_tenant=True, wait_for_workers=False
+        )
+        os.environ["MASTER_PORT"] = str(self.store.port)
+        self.address = address
+        self.signal_watch = _SignalWatch(self.end_on_signal)
+        atexit.register(self.close)  # a job that never reaches on_job_end (SystemExit) still ends
+
+    @classmethod
+    def start(cls, strategy: "_HydraStrategy") -> "_Job":
+        global _running_job
+        config_path = _saved_config_path()
+        hydra_job = _hydra_job()
+        if _running_job is not None:  # a job Hydra never ended (it raised past run_job)
+            _running_job.close()
+        job = _running_job = cls(strategy, hydra_job)
+        try:
+            job.runs_task = _write_launch(config_path, hydra_job, strategy)
+            _end_jobs_with_hydra(hydra_job["hydra_context"])
+            env = strategy.cluster_environment
+            if isinstance(env, _lightning_environment_class(strategy._lightning)):
+                env._main_port = -1  # it caches the first port it read; this job's is new
+            _rank_launch(job.children, job.world_size, job.address, job.store.port)
+        except BaseException:
+            job.close()
+            raise
+        return job
+
+    def begin_stage(self, trainer: Any, call: dict) -> None:
+        """Before rank 0 runs a stage: children alive, told the stage (fallback), checked in."""
+        self.raise_if_any_failed()
+        if not self.runs_task:
+            self.store.set(_STAGE_KEY.format(self.stages_announced), json.dumps(_stage_for_children(trainer, call)))
+            self.stages_announced += 1
+        if not self.checked_in:
+            self.wait_until_checked_in()
+            self.checked_in = True
 
     def wait_until_checked_in(self) -> None:
-        keys = [_CHECK_IN_KEY.format(rank) for rank in self.procs]
+        """Wait until every child is about to join the process group, failing fast if one cannot."""
+        keys = [_CHECK_IN_KEY.format(rank) for rank in self.children]
         deadline = time.monotonic() + self.timeout
-        while not self._store.check(keys):
+        while not self.store.check(keys):
             self.raise_if_any_failed()
             if time.monotonic() > deadline:
-                late = [rank for rank in self.procs if not self._store.check([_CHECK_IN_KEY.format(rank)])]
+                late = [rank for rank in self.children if not self.store.check([_CHECK_IN_KEY.format(rank)])]
                 self.end()
                 raise ChildRankError(
                     f"Child rank(s) {late} did not reach the process group within {self.timeout:g} s"
-                    f" and were ended. {self._describe(late[0])} Raise rank_timeout on the strategy if"
+                    f" and were ended. {self.describe(late[0])} Raise rank_timeout on the strategy if"
                     " they only start slowly."
                 )
             time.sleep(_POLL_INTERVAL)
 
     def raise_if_any_failed(self) -> None:
-        for rank, proc in self.procs.items():
-            if proc.poll() not in (None, 0):
-                self.end()
-                raise ChildRankError(f"Child rank {rank} failed: {self._describe(rank)}")
-
-    def wait_until_done(self) -> None:
-        """Wait until every child finished this stage: it said so (warm), or it exited with 0."""
-        keys = {rank: _DONE_KEY.format(rank) for rank in self.procs}
-        deadline = time.monotonic() + self.timeout
-        while not all(
-            self._store.check([keys[rank]]) or proc.poll() == 0 for rank, proc in self.procs.items()
-        ):
-            self.raise_if_any_failed()
-            if time.monotonic() > deadline:
-                late = [rank for rank, proc in self.procs.items() if proc.poll() is None]
+        """While rank 0 runs the job's stages, every child must still be running."""
+        for rank, proc in self.children.items():
+            code = proc.poll()
+            if code == 0:
                 self.end()
                 raise ChildRankError(
+                    f"Child rank {rank} finished the job's task function while rank 0 still runs it, at a"
+                    f" Trainer stage the child never reached: the task function took another path on that"
+                    f" rank. {self.describe(rank)}"
+                )
+            if code is not None:
+                self.end()
+                raise self.failure(rank)
+
+    def failed(self, error: BaseException) -> BaseException:
+        """The error a stage that raised on rank 0 fails the job with; the children are ended."""
+        if self.signal_received is not None:
+            error = SystemExit(128 + self.signal_received)
+        elif not isinstance(error, (ChildRankError, RankLaunchError, KeyboardInterrupt, SystemExit)):
+            failed = self.first_failure(grace=_PEER_EXIT_GRACE)
+            if failed is not None:
+                error = self.failure(failed)
+            else:  # rank 0's own error, or a collective that timed out on a child that hangs
+                self.note_ended_children(error)
+        self.end()
+        return error
+
+    def finish(self, job_return: Any) -> None:
+        """Hydra ended the job: check the children's exits (a late failure fails the job), clean up."""
+        try:
+            if job_return.status is JobStatus.COMPLETED:
+                if not self.runs_task:
+                    self.store.set(_STAGE_KEY.format(self.stages_announced), "null")
+                # a child still in a collective with rank 0 now fails at once, instead of waiting
+                _destroy_process_group()
+                failure = self.wait_until_exited()
+                if failure is not None:
+                    job_return.status = JobStatus.FAILED
+                    job_return.return_value = failure
+            elif any(proc.poll() is None for proc in self.children.values()):
+                self.note_ended_children(job_return._return_value)  # rank 0 failed outside a stage
+        finally:
+            self.close()
+
+    def wait_until_exited(self) -> Optional[ChildRankError]:
+        """Wait for every child to finish the job: the job's error if one failed or would not."""
+        deadline = time.monotonic() + self.timeout
+        while self.first_failure(grace=0) is None and any(p.poll() is None for p in self.children.values()):
+            if time.monotonic() > deadline:
+                late = [rank for rank, proc in self.children.items() if proc.poll() is None]
+                self.end()
+                return ChildRankError(
                     f"Child rank(s) {late} were still running {self.timeout:g} s after rank 0 finished"
-                    f" the stage and were ended. {self._describe(late[0])}"
+                    f" the job and were ended. {self.describe(late[0])}"
                 )
             time.sleep(_POLL_INTERVAL)
+        failed = self.first_failure(grace=0)
+        return None if failed is None else self.failure(failed)
 
     def first_failure(self, grace: float) -> Optional[int]:
         """Return the rank that failed on its own, giving children ``grace`` s to exit."""
         deadline = time.monotonic() + grace
-        for proc in self.procs.values():
+        for proc in self.children.values():
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 break
-        failed = [rank for rank, proc in self.procs.items() if proc.poll() not in (None, 0)]
+        failed = [rank for rank, proc in self.children.items() if proc.poll() not in (None, 0)]
         return failed[0] if failed else None
 
-    def dump_stacks(self) -> list[int]:
-        """Have every running child write its Python stack to its log; return their ranks."""
-        running = [rank for rank, proc in self.procs.items() if proc.poll() is None]
+    def note_ended_children(self, error: BaseException) -> None:
+        """Have every running child dump its stack to its log, then say so under rank 0's error."""
+        running = [rank for rank, proc in self.children.items() if proc.poll() is None]
         for rank in running:
-            self.procs[rank].send_signal(_STACK_DUMP_SIGNAL)
+            self.children[rank].send_signal(_STACK_DUMP_SIGNAL)
         if running:
             time.sleep(_STACK_DUMP_WAIT)
-        return running
+        self.end()
+        _add_note(
+            error,
+            "Rank 0 failed while these child ranks were still running; they were ended:\n"
+            + "\n".join(self.describe(rank) for rank in running),
+        )
+
+    def end_on_signal(self, signum: int) -> None:
+        """SIGTERM or SIGINT reached rank 0: end the children now, from whichever thread."""
+        self.signal_received = signum
+        for proc in self.children.values():
+            proc.kill()
 
     def end(self) -> None:
-        _end(self.procs)
+        """SIGKILL every child still running and reap it: a rank stuck in a collective ignores less."""
+        for proc in self.children.values():
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.children.values():
+            proc.wait()
 
-    def close(self, succeeded: bool) -> None:
-        """Keep warm children for the next job if every rank finished; end the rest."""
-        if (
-            self.warm
-            and succeeded
-            and self.procs
-            and all(proc.poll() is None for proc in self.procs.values())
-        ):
-            _keep_warm(self.num_processes, self.procs)
-        else:
-            self.end()
-        del self._store
+    def close(self) -> None:
+        global _running_job
+        atexit.unregister(self.close)
+        self.end()
+        _destroy_process_group()
+        self.signal_watch.close()
+        _restore_env(self.saved_env)
+        if _running_job is self:
+            _running_job = None
 
-    def _describe(self, rank: int) -> str:
-        proc = self.procs[rank]
+    def failure(self, rank: int) -> ChildRankError:
+        return ChildRankError(f"Child rank {rank} failed: {self.describe(rank)}")
+
+    def describe(self, rank: int) -> str:
+        proc = self.children[rank]
         code = proc.poll()
         status = "still running" if code is None else f"exit code {code}"
         if code is not None and code < 0:
             status += f" (killed by {signal.Signals(-code).name})"
-        log = self.log_path(rank)
-        excerpt = "\n".join("    " + line for line in _log_excerpt(log))
-        return f"rank {rank} (pid {proc.pid}, {status}); its log is {log}" + (
+        log_path = self.job_dir / f"rank_{rank}.log"
+        excerpt = "\n".join("    " + line for line in _log_excerpt(log_path))
+        return f"rank {rank} (pid {proc.pid}, {status}); its log is {log_path}" + (
             f", ending with:\n{excerpt}" if excerpt else "."
         )
 
 
-# Warm child ranks waiting for the next job of this sweep, by world size. A child joins only
-# after a stage that succeeded on every rank; any failure ends the children of that stage.
-_WARM_CHILDREN: dict[int, dict[int, subprocess.Popen]] = {}
+class _EndJobRanks(Callback):
+    """Added to the running Hydra's callbacks: Hydra's end of a job ends that job's ranks."""
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        if _running_job is not None and _running_job.job_return is job_return:
+            _running_job.finish(job_return)
 
 
-def _end(procs: dict[int, subprocess.Popen]) -> None:
-    """SIGKILL every child still running and reap it: a rank stuck in a collective ignores less."""
-    for proc in procs.values():
-        if proc.poll() is None:
-            proc.kill()
-    for proc in procs.values():
-        proc.wait()
+def _end_jobs_with_hydra(hydra_context: Any) -> None:
+    # Hydra's Callbacks object (private) is the only way to its job end without the user's config.
+    callbacks = hydra_context.callbacks.callbacks
+    if not any(isinstance(callback, _EndJobRanks) for callback in callbacks):
+        callbacks.append(_EndJobRanks())
 
 
-def _keep_warm(world_size: int, procs: dict[int, subprocess.Popen]) -> None:
-    _end_warm_children()  # one set at a time: a sweep of another world size would strand them
-    _WARM_CHILDREN[world_size] = procs
-    atexit.unregister(_end_warm_children)  # registered once, however many jobs kept children
-    atexit.register(_end_warm_children)
+class _SignalWatch:
+    """End the job's children the moment SIGTERM or SIGINT reaches rank 0, however busy it is.
+
+    Python runs a signal handler only once the main thread is back in the interpreter, which a
+    rank 0 blocked in a collective on a hung child never is. The C-level handler writes every
+    signal to the wakeup fd at once, though: this thread reads it and ends the children, the
+    collective fails, and the main thread runs the handlers (ours raises SystemExit, unless the
+    program has its own).
+    """
+
+    def __init__(self, on_signal: Callable[[int], None]) -> None:
+        self.thread: Optional[threading.Thread] = None
+        self.sigterm_was = None
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers and the wakeup fd belong to the main thread
+        read_fd, self.write_fd = os.pipe()
+        os.set_blocking(self.write_fd, False)
+        previous_fd = signal.set_wakeup_fd(self.write_fd, warn_on_full_buffer=False)
+        if previous_fd != -1:  # someone else's (an asyncio loop): leave it theirs
+            signal.set_wakeup_fd(previous_fd)
+            os.close(read_fd)
+            os.close(self.write_fd)
+            return
+        if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # no Python handler: no wakeup byte
+            self.sigterm_was = signal.signal(signal.SIGTERM, _raise_system_exit)
+        self.thread = threading.Thread(
+            target=self._watch, args=(read_fd, on_signal), name="hydra-fsdp-signals", daemon=True
+        )
+        self.thread.start()
+
+    @staticmethod
+    def _watch(read_fd: int, on_signal: Callable[[int], None]) -> None:
+        with open(read_fd, "rb", buffering=0) as wakeups:
+            while received := wakeups.read(64):  # b"" once close() closed the other end
+                for signum in received:
+                    if signum in (signal.SIGTERM, signal.SIGINT):
+                        on_signal(signum)
+
+    def close(self) -> None:
+        if self.thread is None:
+            return
+        signal.set_wakeup_fd(-1)
+        if self.sigterm_was is not None and signal.getsignal(signal.SIGTERM) is _raise_system_exit:
+            signal.signal(signal.SIGTERM, self.sigterm_was)
+        os.close(self.write_fd)
+        self.thread.join()
+        self.thread = None
 
 
-def _end_warm_children() -> None:
-    """Close the warm children's input, so that they exit; end any that does not, promptly."""
-    for procs in _WARM_CHILDREN.values():
-        for proc in procs.values():
-            proc.stdin.close()
-        for proc in procs.values():
-            try:
-                proc.wait(timeout=_PEER_EXIT_GRACE)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-    _WARM_CHILDREN.clear()
+def _raise_system_exit(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
-def _send_line(proc: subprocess.Popen, message: dict) -> None:
-    proc.stdin.write(json.dumps(message).encode() + b"\n")
-    proc.stdin.flush()
+def _stage_for_children(trainer: Any, call: dict) -> dict:
+    """The fallback: what children repeat of a stage rank 0 runs (Lightning resolves the checkpoint)."""
+    datamodule_class = trainer.strategy._lightning.LightningDataModule
+    data = [call.get(name) for name in ("train_dataloaders", "val_dataloaders", "dataloaders", "datamodule")]
+    ckpt_path = call.get("ckpt_path")
+    return {
+        "stage": trainer.state.fn.value,
+        "ckpt_path": None if ckpt_path is None else str(ckpt_path),
+        "datamodule": any(isinstance(value, datamodule_class) for value in data),
+    }
 
 
-def _log_excerpt(log: Path) -> list[str]:
+def _destroy_process_group() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def _log_excerpt(log_path: Path) -> list[str]:
     """The end of a child's log or, if it was dumped before being ended, where its main thread stood."""
-    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    lines = log_path.read_text(errors="replace").splitlines() if log_path.exists() else []
     dumps = [i for i, line in enumerate(lines) if line.endswith("(most recent call first):")]
     for start, end in reversed(list(zip(dumps, dumps[1:] + [len(lines)]))):
         if any("_run_child_rank" in line for line in lines[start:end]):
             return lines[start : start + _LOG_TAIL_LINES]
     return lines[-_LOG_TAIL_LINES:]
-
-
-class _HydraRankLauncher:
-    """Start a job's child ranks from the job's saved config, never from ``sys.argv``.
-
-    Unlike Lightning's ``_SubprocessScriptLauncher`` it can launch again for a second stage,
-    ends its children when rank 0 fails, and reports a failed child as its job's error instead
-    of killing the whole process (which, under ``--multirun``, is the sweep).
-    """
-
-    def __init__(self, strategy: "_HydraStrategy") -> None:
-        self.strategy = strategy
-        self.children: Optional[_ChildRanks] = None
-        self.signal_received: Optional[int] = None
-
-    @property
-    def is_interactive_compatible(self) -> bool:
-        return False
-
-    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        strategy = self.strategy
-        env = strategy.cluster_environment
-        started_by_engine = env.creates_processes_externally
-        if started_by_engine:
-            _check_launched_world_size(strategy.num_nodes, strategy.num_processes)
-        env.validate_settings(num_devices=strategy.num_processes, num_nodes=strategy.num_nodes)
-        if started_by_engine:
-            return function(*args, **kwargs)
-        if strategy.num_nodes > 1:
-            raise RankLaunchError(
-                f"num_nodes={strategy.num_nodes}, but HydraDDP/HydraFSDP start child ranks on one node"
-                " only. Across nodes, let torchrun or SLURM start every rank."
-            )
-        delay = _launch_delay()
-        stage_call = _stage_call(function, args, kwargs, trainer)
-        strategy._check_stage(stage_call)
-        plan_path = _write_rank_plan(strategy._lightning, stage_call, strategy._config_keys)
-        saved_env = {key: os.environ.get(key) for key in _RENDEZVOUS_ENV}
-        self.signal_received = None
-        job_dir = Path(HydraConfig.get().runtime.output_dir)
-        self.children = _ChildRanks(
-            plan_path,
-            job_dir,
-            strategy.num_processes,
-            env.main_address,
-            strategy.rank_timeout,
-            strategy.warm_ranks,
-        )
-        os.environ["MASTER_PORT"] = str(self.children.port)
-        if isinstance(env, _lightning_environment_class(strategy._lightning)):
-            env._main_port = -1  # it caches the first port it read; this stage's is new
-        try:
-            with _sigterm_raises_system_exit():
-                self.children.start(delay)
-                self.children.wait_until_checked_in()
-                result = function(*args, **kwargs)
-                self.children.wait_until_done()
-                succeeded = True
-                return result
-        except BaseException as error:
-            succeeded = False
-            job_error = self._job_error(error)
-            if job_error is error:
-                raise
-            raise job_error from error
-        finally:
-            self.children.close(succeeded)
-            self.children = None
-            _restore_env(saved_env)
-
-    def kill(self, signum: int) -> None:
-        """Called by Lightning's SIGTERM handler: the job, and with it the sweep, is to stop."""
-        self.signal_received = signum
-        if self.children is not None:
-            self.children.end()
-
-    def _job_error(self, error: BaseException) -> BaseException:
-        """The error the job fails with. The children are ended after it, by ``close``."""
-        children = self.children
-        if self.signal_received is not None:
-            return SystemExit(128 + self.signal_received)
-        if isinstance(error, (ChildRankError, KeyboardInterrupt, SystemExit)):
-            return error
-        failed = children.first_failure(grace=_PEER_EXIT_GRACE)
-        if failed is not None:
-            return ChildRankError(f"Child rank {failed} failed: {children._describe(failed)}")
-        # Rank 0's own error, or a collective that timed out on a child that hangs: rank 0's
-        # traceback stays the story, and each child's log shows where it stood when ended.
-        running = children.dump_stacks()
-        children.end()
-        _add_note(
-            error,
-            "Rank 0 failed while these child ranks were still running; they were ended:\n"
-            + "\n".join(children._describe(rank) for rank in running),
-        )
-        return error
 
 
 def _lightning_environment_class(lightning: types.ModuleType) -> type:
@@ -640,6 +693,71 @@ def _add_note(error: BaseException, note: str) -> None:
         error.add_note(note)
     else:
         print(note, file=sys.stderr)
+
+
+def _restore_env(saved: dict) -> None:
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+class _HydraRankLauncher:
+    """Start a job's child ranks from the job's saved config, never from ``sys.argv``.
+
+    Unlike Lightning's ``_SubprocessScriptLauncher`` its children run the Hydra job's task
+    function, live as long as the job (every stage after the first finds them running), and a
+    failed rank is reported as its job's error instead of killing the whole process (which,
+    under ``--multirun``, is the sweep).
+    """
+
+    def __init__(self, strategy: "_HydraStrategy") -> None:
+        self.strategy = strategy
+
+    @property
+    def is_interactive_compatible(self) -> bool:
+        return False
+
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        strategy = self.strategy
+        call = inspect.signature(function).bind(*args, **kwargs).arguments
+        strategy._stage_ckpt_path = call.get("ckpt_path")  # for the ranks to compare
+        env = strategy.cluster_environment
+        if env.creates_processes_externally:  # a child rank we started, or torchrun / SLURM
+            if _CHILD_ENV in os.environ:
+                _child_store().set(_CHECK_IN_KEY.format(os.environ["LOCAL_RANK"]), "1")
+            else:
+                _check_launched_world_size(strategy.num_nodes, strategy.num_processes)
+            env.validate_settings(num_devices=strategy.num_processes, num_nodes=strategy.num_nodes)
+            return function(*args, **kwargs)
+        if strategy.num_nodes > 1:
+            raise RankLaunchError(
+                f"num_nodes={strategy.num_nodes}, but HydraDDP/HydraFSDP start child ranks on one node"
+                " only. Across nodes, let torchrun or SLURM start every rank."
+            )
+        hydra_job = _hydra_job() or {}
+        job = _running_job if _running_job is not None and _running_job.job_return is hydra_job.get("ret") else None
+        if job is not None and job.world_size != strategy.world_size:
+            raise RankLaunchError(
+                f"This job's ranks were started for a world size of {job.world_size}, and a Trainer of"
+                f" the same job now asks for {strategy.world_size}. Give every Trainer of one job the"
+                " same devices and num_nodes."
+            )
+        job = job or _Job.start(strategy)
+        try:
+            job.begin_stage(trainer, call)
+            return function(*args, **kwargs)
+        except BaseException as error:
+            job_error = job.failed(error)
+            if job_error is error:
+                raise
+            raise job_error from error
+
+    def kill(self, signum: int) -> None:
+        """Called by Lightning's SIGTERM handler: the job, and with it the sweep, is to stop."""
+        if _running_job is not None:
+            _running_job.end_on_signal(signum)
 
 
 def _check_launched_world_size(num_nodes: int, devices: int) -> None:
@@ -655,36 +773,84 @@ def _check_launched_world_size(num_nodes: int, devices: int) -> None:
         )
 
 
-class _sigterm_raises_system_exit:
-    """While rank 0 waits on its children, SIGTERM ends the job cleanly instead of orphaning them."""
-
-    def __enter__(self) -> None:
-        self.previous = None
-        if threading.current_thread() is threading.main_thread():
-            self.previous = signal.signal(signal.SIGTERM, _raise_system_exit)
-
-    def __exit__(self, *exc_info: Any) -> None:
-        if self.previous is not None:
-            signal.signal(signal.SIGTERM, self.previous)
+# --------------------------------------------------------------------------- every rank agrees
 
 
-def _raise_system_exit(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
+def _check_ranks_agree(strategy: "_HydraStrategy") -> None:
+    """Fail the stage on every rank if the ranks are about to run different things.
+
+    Ranks that build different trainers (a callback on rank 0 alone) run different collectives
+    and deadlock; ranks that resolve different configs (a ``${now:...}`` a second apart under
+    torchrun) split one job. Once the process group is up, before the stage's first step, they
+    compare what they are about to run.
+    """
+    mine = _flat(_what_this_rank_runs(strategy))
+    everyone: list = [None] * strategy.world_size
+    torch.distributed.all_gather_object(everyone, mine)
+    differing = sorted({key for theirs in everyone for key in mine.keys() | theirs.keys() if mine.get(key) != theirs.get(key)})
+    if not differing:
+        return
+    shown = [
+        f"  {key}: " + ", ".join(f"rank {rank} {_shown(ran.get(key, '<missing>'))}" for rank, ran in enumerate(everyone))
+        for key in differing[:_DIFFERENCES_SHOWN]
+    ]
+    more = len(differing) - _DIFFERENCES_SHOWN
+    raise RankLaunchError(
+        f"The ranks of this job are about to run different things in trainer.{mine['stage']}(), and"
+        " would deadlock on their first different collective; they disagree on it:\n"
+        + "\n".join(shown)
+        + (f"\n  ... and {more} more" if more > 0 else "")
+        + "\nBuild the same trainer, module and data on every rank (no `if rank == 0` around callbacks or"
+        " loggers). Under torchrun or SLURM every process resolves the config itself: no ${now:...} or"
+        " random values in hydra.sweep.dir, hydra.run.dir or the config; use a value the launcher gives"
+        " every process alike, e.g. hydra.sweep.dir=multirun/${oc.env:SLURM_JOB_ID}."
+    )
 
 
-def _restore_env(saved: dict) -> None:
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+def _what_this_rank_runs(strategy: "_HydraStrategy") -> dict:
+    module = strategy.lightning_module
+    trainer = module.trainer
+    # an FSDP module that ran a stage holds its shard: shapes and sizes differ by rank, by design
+    full = strategy._holds_full_parameters()
+    shapes = [(name, tuple(p.shape) if full else "sharded", str(p.dtype)) for name, p in module.named_parameters()]
+    hydra_job = _hydra_job()
+    return {
+        "stage": trainer.state.fn.value,
+        "callbacks": sorted(type(callback).__qualname__ for callback in trainer.callbacks),
+        "loggers": sorted(type(logger).__qualname__ for logger in trainer.loggers),
+        **{
+            name: getattr(trainer, name)
+            for name in ("max_epochs", "max_steps", "accumulate_grad_batches", "precision")
+        },
+        **{f"limit_{loop}_batches": getattr(trainer, f"limit_{loop}_batches") for loop in ("train", "val", "test", "predict")},
+        "module": type(module).__qualname__,
+        "module parameters": f"{len(shapes)} tensors"
+        + (f" of {sum(p.numel() for p in module.parameters())} values" if full else " (sharded)")
+        + f", shapes #{hashlib.sha1(repr(shapes).encode()).hexdigest()[:8]}",
+        "datamodule": None if trainer.datamodule is None else type(trainer.datamodule).__qualname__,
+        "ckpt_path": None if strategy._stage_ckpt_path is None else str(strategy._stage_ckpt_path),
+        "hydra.runtime.output_dir": HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else None,
+        "config": None if hydra_job is None else _resolved_where_possible(hydra_job["task_cfg"]),
+    }
+
+
+def _flat(tree: Any, prefix: str = "") -> dict:
+    if isinstance(tree, dict) and tree:
+        return {k: v for key, item in tree.items() for k, v in _flat(item, f"{prefix}{key}.").items()}
+    if isinstance(tree, list) and tree and not all(isinstance(item, str) for item in tree):
+        return {k: v for i, item in enumerate(tree) for k, v in _flat(item, f"{prefix}{i}.").items()}
+    return {prefix.rstrip("."): tree}
+
+
+def _shown(value: Any) -> str:
+    return "[" + ", ".join(value) + "]" if isinstance(value, list) else repr(value)
 
 
 # --------------------------------------------------------------------------- the strategies
 
 
 class _HydraStrategy:
-    """What HydraDDP and HydraFSDP share: the launcher, the config contract, a clean teardown.
+    """What HydraDDP and HydraFSDP share: the launcher, the rank agreement, process group cleanup.
 
     Mixed in before Lightning's ``DDPStrategy`` or ``FSDPStrategy`` of one Lightning namespace;
     ``_lightning`` is that namespace's package (``pytorch_lightning`` or ``lightning.pytorch``).
@@ -698,45 +864,36 @@ class _HydraStrategy:
         rank_timeout: float = DEFAULT_RANK_TIMEOUT,
         module_key: str = "module",
         datamodule_key: str = "datamodule",
-        warm_ranks: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.rank_timeout = rank_timeout
-        self.warm_ranks = warm_ranks
         self._config_keys = {"module_key": module_key, "datamodule_key": datamodule_key}
+        self._stage_ckpt_path: Any = None
 
     def _configure_launcher(self) -> None:
         self._launcher = _HydraRankLauncher(self)
 
-    def _check_stage(self, stage_call: dict) -> None:
-        """Refuse, before any child starts, a stage whose ranks would not hold the same model."""
-
     def setup_environment(self) -> None:
         super().setup_environment()
-        if self._ranks_started_by_engine():
-            _check_ranks_agree(self.global_rank, self.world_size)
+        # torch does not destroy a process group at exit, and gloo's threads can then abort the
+        # interpreter's finalization (SIGABRT after a sweep that finished): destroy it first.
+        atexit.unregister(_destroy_process_group)
+        atexit.register(_destroy_process_group)
+        if self.world_size > 1:
+            _check_ranks_agree(self)
 
-    def _ranks_started_by_engine(self) -> bool:
-        """Whether torchrun, SLURM or the like started every rank, each running its own Hydra job."""
-        return self.cluster_environment.creates_processes_externally and _PLAN_ENV not in os.environ
-
-    def teardown(self) -> None:
-        super().teardown()
-        # Lightning leaves the process group up. Ours goes: the next job starts its own ranks on
-        # a new port. An engine's stays: the next job reuses its ranks and its store, where a new
-        # group would find the old group's keys.
-        if not self._ranks_started_by_engine() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    def _holds_full_parameters(self) -> bool:
+        return True
 
 
 class _HydraDDP(_HydraStrategy):
-    """Lightning's ``DDPStrategy``, with every child rank started from the Hydra job's saved config.
+    """Lightning's ``DDPStrategy``, with every child rank running the Hydra job's own task function.
 
     Extra arguments: ``rank_timeout`` (seconds a child may take to reach the process group, and
-    to finish after rank 0 finished; default 600), ``module_key`` and ``datamodule_key`` (where
-    the job's config holds them; default ``module`` and ``datamodule``), ``warm_ranks`` (keep
-    child ranks alive for the next job of the sweep; default False). The rest is DDPStrategy's.
+    to finish after rank 0 finished the job; default 600), ``module_key`` and ``datamodule_key``
+    (where the fallback finds them in the job's config; default ``module`` and ``datamodule``).
+    The rest is DDPStrategy's.
     """
 
 
@@ -746,18 +903,25 @@ class _HydraFSDP(_HydraStrategy):
     Extra arguments as HydraDDP's; the rest is FSDPStrategy's.
     """
 
-    def _check_stage(self, stage_call: dict) -> None:
-        model = stage_call["model"]
-        if model is not None and model._trainer is not None:
-            raise RankLaunchError(
-                f"trainer.{stage_call['stage']}() got a LightningModule that already ran a stage in this"
-                " process. Under HydraFSDP its weights are sharded across child ranks that have since"
-                " exited, and fresh child ranks could not evaluate the same model. Pass a fresh module"
-                " and the checkpoint to use, e.g. trainer.test(instantiate(cfg.module), ckpt_path='best')"
-                " (or ckpt_path='last' or a path)."
-            )
+    _sharded: Optional[torch.nn.Module] = None  # the FSDP wrapper of the module of the last stage
 
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        # A module sharded by an earlier stage (fit, then test) keeps its wrapper: Lightning would
+        # wrap its shards again and break it (Lightning issue #19015).
+        if self._holds_sharded(model):
+            return self._sharded
+        self._sharded = self._wrapped(model)
+        return self._sharded
+
+    def _holds_full_parameters(self) -> bool:
+        return not self._holds_sharded(self.lightning_module)
+
+    def _holds_sharded(self, model: torch.nn.Module) -> bool:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return isinstance(self._sharded, FullyShardedDataParallel) and self._sharded.module is model
+
+    def _wrapped(self, model: torch.nn.Module) -> torch.nn.Module:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         if self.root_device.type != "cpu" or any(
@@ -828,56 +992,6 @@ def _full_state_dict_in_place(module: torch.nn.Module) -> Any:
     )
 
 
-def _check_ranks_agree(rank: int, world_size: int) -> None:
-    """Fail the job if its ranks, each resolving its own Hydra job, disagree on what it is.
-
-    Under torchrun or SLURM every process composes the sweep itself; anything it computes alone
-    (a ``${now:...}`` a second apart, a random seed) would split one job's ranks across output
-    dirs or configs. They compare what they resolved, once the process group is up.
-    """
-    mine = _resolved_job()
-    everyone: list = [None] * world_size
-    torch.distributed.all_gather_object(everyone, mine)
-    differing = sorted({key for theirs in everyone for key in _differing_keys(mine, theirs)})
-    if not differing:
-        return
-    shown = [
-        f"  {key}: "
-        + ", ".join(f"rank {r} {_flat(job).get(key, '<missing>')!r}" for r, job in enumerate(everyone))
-        for key in differing[:_DIFFERENCES_SHOWN]
-    ]
-    raise RankLaunchError(
-        "The ranks of this job, each started by the external launcher and each resolving the Hydra"
-        " job on its own, disagree on it:\n" + "\n".join(shown) + "\nMake every process resolve the"
-        " same values: no ${now:...} or random values in hydra.sweep.dir, hydra.run.dir or the config;"
-        " use a value the launcher gives every process alike, e.g."
-        " hydra.sweep.dir=multirun/${oc.env:SLURM_JOB_ID} or ${oc.env:TORCHELASTIC_RUN_ID}."
-    )
-
-
-def _resolved_job() -> dict:
-    live = _live_job_config() if HydraConfig.initialized() else None
-    return {
-        "hydra.runtime.output_dir": HydraConfig.get().runtime.output_dir
-        if HydraConfig.initialized()
-        else None,
-        "config": {} if live is None else _resolved_where_possible(live),
-    }
-
-
-def _flat(tree: Any, prefix: str = "") -> dict:
-    if isinstance(tree, dict):
-        return {k: v for key, item in tree.items() for k, v in _flat(item, f"{prefix}{key}.").items()}
-    if isinstance(tree, list):
-        return {k: v for i, item in enumerate(tree) for k, v in _flat(item, f"{prefix}{i}.").items()}
-    return {prefix.rstrip("."): tree}
-
-
-def _differing_keys(one: dict, other: dict) -> set:
-    one, other = _flat(one), _flat(other)
-    return {key for key in one.keys() | other.keys() if one.get(key) != other.get(key)}
-
-
 @functools.lru_cache(maxsize=None)
 def _strategies_for(namespace: str) -> types.SimpleNamespace:
     """Build HydraDDP and HydraFSDP on one Lightning namespace: each Trainer takes only its own."""
@@ -923,77 +1037,63 @@ def __getattr__(name: str) -> Any:
 # --------------------------------------------------------------------------- a child rank
 
 
-def _run_child_rank(plan_path: str) -> None:
-    """Run one child rank: its first stage from ``plan_path``, then, if warm, later jobs' stages.
-
-    A warm child reads each next assignment from its stdin, one JSON line: the plan, rank 0's
-    environment now (the new rendezvous port, the job's ``hydra.job.env_set``), the new job's
-    log. A cold child's stdin is empty, so it exits after one.
-    """
+def _run_child_rank(config_path: str) -> None:
+    """Run one child rank: the job's task function on the job's saved config, as rank 0 runs it."""
     _exit_with_parent()
     faulthandler.register(_STACK_DUMP_SIGNAL, all_threads=True)
-    first = OmegaConf.load(plan_path)
-    sys.path[:] = list(first.sys_path)
-    sys.argv[:] = list(first.sys_argv)
-    _import_launching_script(first.main)
-    _run_stage(first)
-    for line in sys.stdin:
-        assignment = json.loads(line)
-        _write_output_to(assignment["log"])
-        os.environ.clear()
-        os.environ.update(assignment["env"])
-        _run_stage(OmegaConf.load(assignment["plan"]))
-    # Done: exit now. At interpreter shutdown, torch's C++ threads (gloo, the process group an
-    # FSDP module still holds) can abort the process and turn finished stages into a failure.
+    launch = pickle.loads(Path(config_path).with_name(_LAUNCH_FILE).read_bytes())
+    sys.path[:] = launch["sys_path"]
+    sys.argv[:] = launch["sys_argv"]
+    os.chdir(launch["cwd"])
+    _import_launching_script(launch["main"])
+    setup_globals()  # Hydra's resolvers: ${hydra:...}, ${now:...}
+    hydra_cfg = OmegaConf.create({"hydra": launch["hydra"]})
+    OmegaConf.set_readonly(hydra_cfg, True)
+    HydraConfig.instance().cfg = hydra_cfg
+    task_cfg = OmegaConf.load(config_path)
+    OmegaConf.set_cache(task_cfg, launch["cache"])  # rank 0's ${now:...} values
+    OmegaConf.set_struct(task_cfg, launch["struct"])
+    if launch["task"] is not None:
+        task_function = pickle.loads(launch["task"])
+    else:
+        task_function = functools.partial(_run_config_contract, **launch["contract"])
+    try:
+        task_function(task_cfg)
+        exit_code = 0
+    except BaseException:
+        traceback.print_exc()
+        exit_code = 1
+    # Exit now, the process group destroyed first: at interpreter shutdown torch's C++ threads
+    # (gloo, a group an FSDP module still holds) can abort the process after a finished job.
+    _destroy_process_group()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(exit_code)
 
 
-def _run_stage(plan: DictConfig) -> None:
-    """Rebuild the job as rank 0 saw it, check in, run rank 0's stage, say it is done."""
-    os.chdir(plan.cwd)
-    hydra_cfg = OmegaConf.create({"hydra": plan.hydra})
-    OmegaConf.set_readonly(hydra_cfg, True)
-    HydraConfig.instance().cfg = hydra_cfg
-    _seed_like_rank_zero(importlib.import_module(plan.lightning))
-    config = plan.config
-    trainer = instantiate(config.trainer)
-    module = instantiate(config[plan.module_key])
-    stage_kwargs: dict = {"ckpt_path": plan.ckpt_path}
-    if plan.datamodule:
-        stage_kwargs["datamodule"] = instantiate(config[plan.datamodule_key])
-    store = torch.distributed.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        is_master=False,
-        timeout=timedelta(seconds=60),
+def _run_config_contract(task_cfg: DictConfig, module_key: str, datamodule_key: str) -> None:
+    """The fallback task function: build the config's trainer, module (datamodule) and run each
+    stage rank 0 runs, as rank 0 announces them, until it announces the end of the job."""
+    trainer = instantiate(task_cfg.trainer)
+    module = instantiate(task_cfg[module_key])
+    datamodule = None
+    store = _child_store()
+    for number in itertools.count():
+        stage = json.loads(store.get(_STAGE_KEY.format(number)))
+        if stage is None:
+            return
+        if stage["datamodule"] and datamodule is None:
+            datamodule = instantiate(task_cfg[datamodule_key])
+        data = {"datamodule": datamodule} if stage["datamodule"] else {}
+        getattr(trainer, stage["stage"])(module, ckpt_path=stage["ckpt_path"], **data)
+
+
+def _child_store() -> torch.distributed.TCPStore:
+    """A client of rank 0's store, where a child checks in and the fallback reads its stages."""
+    return torch.distributed.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=_CHILD_STORE_TIMEOUT
     )
-    store.set(_CHECK_IN_KEY.format(os.environ["LOCAL_RANK"]), "1")
-    getattr(trainer, plan.stage)(module, **stage_kwargs)
-    store.set(_DONE_KEY.format(os.environ["LOCAL_RANK"]), "1")
-    del trainer, module, stage_kwargs
-    gc.collect()  # a warm child holds nothing of this job while it waits for the next one
-    if torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
-
-
-def _write_output_to(log: str) -> None:
-    """Point this process's stdout and stderr at the new job's log."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    with open(log, "ab") as file:
-        os.dup2(file.fileno(), sys.stdout.fileno())
-        os.dup2(file.fileno(), sys.stderr.fileno())
-
-
-def _seed_like_rank_zero(lightning: types.ModuleType) -> None:
-    """Rank 0's ``seed_everything()`` ran in the task function, which children skip; it left the
-    seed in the environment, so seed here, before the module is built, as rank 0 did."""
-    seed = os.environ.get("PL_GLOBAL_SEED")
-    if seed is not None:
-        lightning.seed_everything(int(seed), workers=os.environ.get("PL_SEED_WORKERS") == "1")
 
 
 def _exit_with_parent() -> None:
@@ -1008,15 +1108,15 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="hydra-fsdp-parent-watch", daemon=True).start()
 
 
-def _import_launching_script(main: DictConfig) -> None:
+def _import_launching_script(main: dict) -> None:
     """Import rank 0's ``__main__`` as multiprocessing's spawn does, so ``__main__.X`` resolves.
 
     Its ``if __name__ == "__main__":`` block does not run here.
     """
     if "module" in main:
-        namespace = runpy.run_module(main.module, run_name="__mp_main__", alter_sys=False)
+        namespace = runpy.run_module(main["module"], run_name="__mp_main__", alter_sys=False)
     elif "path" in main:
-        namespace = runpy.run_path(main.path, run_name="__mp_main__")
+        namespace = runpy.run_path(main["path"], run_name="__mp_main__")
     else:
         return
     module = types.ModuleType("__mp_main__")
@@ -1025,4 +1125,8 @@ def _import_launching_script(main: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    _run_child_rank(sys.argv[1])
+    # A child rank: run as the module rank 0 imported (whose classes its strategies are), not as
+    # a second copy of it named __main__.
+    _launch = pickle.loads(Path(sys.argv[1]).with_name(_LAUNCH_FILE).read_bytes())
+    sys.path[:] = _launch["sys_path"]
+    importlib.import_module(_launch["module"])._run_child_rank(sys.argv[1])

@@ -1,31 +1,119 @@
-"""What the end-to-end tests share: running the sweep app, and reading what each rank recorded."""
+"""What the end-to-end tests share: running apps as real processes, and reading what each rank recorded.
+
+Every process a test starts runs in a session of its own; when it times out, or the test fails,
+every process of that session and every descendant (torchrun's workers start sessions of their
+own) is ended, and the failure shows the output the processes wrote.
+"""
 
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 APPS = Path(__file__).parent / "apps"
 SWEEP_TIMEOUT = 240  # seconds; a 2-job sweep takes about 10 s on 2 cores
+FAULT_BOUND = 60  # seconds within which a failed job must have ended and left nothing running
 
 
-def run_app(app_dir, *overrides, strategy="ddp", env=None, timeout=SWEEP_TIMEOUT, multirun=True):
+class Run:
+    """A command started in its own session, its output going to a file (no pipe to fill up)."""
+
+    def __init__(self, command, cwd, env):
+        self.command = command
+        self.output = tempfile.TemporaryFile()
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(
+            command, cwd=cwd, env=env, stdout=self.output, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        self.pid = self.proc.pid
+
+    def wait(self, timeout):
+        """Wait for it to exit; on timeout end all of it and fail, showing what it wrote."""
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.end()
+            raise AssertionError(
+                f"{' '.join(map(str, self.command))} did not finish within {timeout} s and was ended;"
+                f" its output:\n{self.text()[-8000:]}"
+            ) from None
+        finally:
+            end_tree(self.pid, root=False)  # anything it left behind (it is reaped: its pid is free)
+        self.seconds = time.monotonic() - self.started
+        self.returncode = self.proc.returncode
+        return self
+
+    def end(self):
+        """End every process of it still running (its own pid only while it is not yet reaped)."""
+        end_tree(self.pid, root=self.proc.poll() is None)
+        self.proc.wait()
+        self.returncode = self.proc.returncode
+
+    def text(self):
+        self.output.seek(0)
+        return self.output.read().decode(errors="replace")
+
+    # what tests read of a finished run, as of subprocess.run's result
+    stdout = stderr = property(text)
+
+
+def run(command, cwd, env, timeout=SWEEP_TIMEOUT):
+    return Run(command, cwd, env).wait(timeout)
+
+
+def descendants(pid):
+    """Every live process below ``pid``, and every process of its session, from /proc."""
+    parent_of, session_of = {}, {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            parent_of[int(entry.name)], session_of[int(entry.name)] = int(fields[1]), int(fields[3])
+    found = {p for p, session in session_of.items() if session == pid and p != pid}
+    frontier = [pid]
+    while frontier:
+        children = [p for p, parent in parent_of.items() if parent in frontier and p not in found]
+        found.update(children)
+        frontier = children
+    return found
+
+
+def end_tree(pid, root=True):
+    """SIGKILL ``pid``'s session and every descendant of it (found before any of them is reaped)."""
+    for victim in descendants(pid) | ({pid} if root else set()):
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def app_env(strategy="ddp", env=None):
     full_env = dict(os.environ, MUSHIN_DDP_LAUNCH_DELAY="0", APP_STRATEGY=strategy, HYDRA_FULL_ERROR="1")
     full_env.pop("PYTHONPATH", None)  # the app must find its own modules, as a user's would
     full_env.update(env or {})
+    return full_env
+
+
+def run_app(app_dir, *overrides, strategy="ddp", env=None, timeout=SWEEP_TIMEOUT, multirun=True):
     command = [sys.executable, "app.py"] + (["-m"] if multirun else []) + list(overrides)
-    started = time.monotonic()
-    proc = subprocess.run(command, cwd=app_dir, env=full_env, capture_output=True, text=True, timeout=timeout)
-    proc.seconds = time.monotonic() - started
-    return proc
+    return run(command, app_dir, app_env(strategy, env), timeout)
 
 
 def sweep_in(app_dir, *overrides, **kwargs):
     """Run a multirun into <app>/sweep, one job dir per job number."""
     return run_app(app_dir, "hydra.sweep.dir=sweep", *overrides, **kwargs)
+
+
+def start_sweep(app_dir, *overrides, env=None):
+    """Start a sweep and return its Run: a session of its own, what a terminal's Ctrl-C reaches."""
+    return Run([sys.executable, "app.py", "-m", "hydra.sweep.dir=sweep", *overrides], app_dir, app_env(env=env))
 
 
 def records(job_dir, stage="fit"):
@@ -71,9 +159,7 @@ def assert_ranks_agree(job_dir, stage="fit", world=2):
 
 
 def ok(proc):
-    assert proc.returncode == 0, (
-        f"sweep failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    )
+    assert proc.returncode == 0, f"sweep failed ({proc.returncode}):\n{proc.text()[-9000:]}"
     return proc
 
 
@@ -85,14 +171,11 @@ def copy_app(directory):
     return directory
 
 
-FAULT_BOUND = 60  # seconds within which a failed job must have ended and left nothing running
-
-
 def assert_failed_job_then_healthy_job(app, proc, failed_rank, *, expect_in_error):
     """Job 0 failed with an error that names the rank; job 1 trained on every rank; nothing left."""
     assert proc.returncode != 0, "Hydra exits non-zero when a job of the sweep failed"
     for text in expect_in_error:
-        assert text in proc.stderr, f"{text!r} not in the sweep's error output:\n{proc.stderr[-4000:]}"
+        assert text in proc.text(), f"{text!r} not in the sweep's output:\n{proc.text()[-6000:]}"
     assert not records(app / "sweep" / "0"), "the failed job must not have finished on any rank"
     assert_ranks_agree(app / "sweep" / "1")
     for job in ("0", "1"):
@@ -104,20 +187,6 @@ def assert_failed_job_then_healthy_job(app, proc, failed_rank, *, expect_in_erro
     assert start["process_group"] is False
     first = json.loads((app / "sweep" / "0" / "started" / "rank0.json").read_text())
     assert start["threads"] == first["threads"], "no thread of job 0 may outlive it"
-
-
-def start_sweep(app_dir, *overrides, env=None):
-    full_env = dict(os.environ, MUSHIN_DDP_LAUNCH_DELAY="0", APP_STRATEGY="ddp")
-    full_env.pop("PYTHONPATH", None)
-    full_env.update(env or {})
-    return subprocess.Popen(
-        [sys.executable, "app.py", "-m", "hydra.sweep.dir=sweep", *overrides],
-        cwd=app_dir,
-        env=full_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,  # its own process group: what a terminal's Ctrl-C reaches
-    )
 
 
 def wait_for(predicate, timeout, what):

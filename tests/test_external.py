@@ -6,14 +6,12 @@ hang) when the launched world does not match ``num_nodes x devices``.
 """
 
 import json
-import os
 import socket
-import subprocess
 import sys
 import time
 
 import pytest
-from helpers import SWEEP_TIMEOUT, assert_ranks_agree, records
+from helpers import SWEEP_TIMEOUT, Run, app_env, assert_ranks_agree, records
 
 
 def free_port():
@@ -23,23 +21,31 @@ def free_port():
 
 
 def torchrun(app_dir, *overrides, nnodes=1, nproc=2, strategy="ddp", timeout=SWEEP_TIMEOUT):
-    """Run the sweep under torchrun: ``nnodes`` agents on 127.0.0.1, ``nproc`` processes each."""
-    env = dict(os.environ, MUSHIN_DDP_LAUNCH_DELAY="0", APP_STRATEGY=strategy, HYDRA_FULL_ERROR="1")
-    env.pop("PYTHONPATH", None)
+    """Run the sweep under torchrun: ``nnodes`` agents on 127.0.0.1, ``nproc`` processes each.
+
+    The agents run side by side, each in a session of its own with its output in a file; if any
+    is not done in ``timeout`` s, all of them and their workers are ended, and the failure shows
+    what every agent wrote.
+    """
+    env = app_env(strategy)
     port = free_port()
     agents = [
-        subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
+        Run([sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
              f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}",
-             "app.py", "-m", "hydra.sweep.dir=sweep", *overrides],
-            cwd=app_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
+             "app.py", "-m", "hydra.sweep.dir=sweep", *overrides], app_dir, env)
         for node in range(nnodes)
     ]  # fmt: skip
     started = time.monotonic()
-    outputs = [agent.communicate(timeout=timeout)[0] for agent in agents]
-    seconds = time.monotonic() - started
-    return [agent.returncode for agent in agents], "\n".join(outputs), seconds
+    try:
+        for agent in agents:
+            agent.wait(timeout=max(1.0, started + timeout - time.monotonic()))
+    except AssertionError as timed_out:
+        raise AssertionError(f"{timed_out}\n" + "\n".join(f"--- agent {n} ---\n{a.text()[-4000:]}" for n, a in enumerate(agents))) from None
+    finally:
+        for agent in agents:
+            agent.end()
+    output = "\n".join(agent.text() for agent in agents)
+    return [agent.returncode for agent in agents], output, time.monotonic() - started
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -85,8 +91,8 @@ def test_ranks_that_resolve_different_configs_fail_at_setup(app):
     # the app's config holds stamp=${now:%H-%M-%S-%f}: each process resolves its own present
     codes, output, seconds = torchrun(app, "module.lr=0.1", timeout=120)
     assert codes != [0]
-    assert "disagree on it" in output and "module.stamp: rank 0 '" in output
-    assert "hydra.runtime.output_dir" not in output.split("disagree on it")[1].split("Make every")[0]
+    assert "disagree on it" in output and "config.module.stamp: rank 0 '" in output
+    assert "hydra.runtime.output_dir" not in output.split("disagree on it")[1].split("Build the same")[0]
     assert not records(app / "sweep" / "0")
     assert seconds < 90
 

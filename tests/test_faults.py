@@ -43,13 +43,22 @@ def test_child_rank_failure_while_starting_fails_fast(app):
     )
 
 
+def test_child_failing_after_rank0_finished_still_fails_its_job(app):
+    # rank 1 fails in its last stage's final hook, after the last collective rank 0 takes part in
+    proc = sweep_in(app, "module.lr=0.1,0.2", "module.fail_rank=1", "module.fail_how=end_raise")
+    assert proc.returncode != 0
+    assert "Child rank 1 failed" in proc.text() and "injected failure on rank 1" in proc.text()
+    assert records(app / "sweep" / "0")[0], "rank 0 finished job 0"
+    assert_ranks_agree(app / "sweep" / "1")
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_rank0_failure_ends_its_children(app, strategy):
     proc = sweep_in(
         app, "module.lr=0.1,0.2", "module.fail_rank=0", "module.fail_how=train_raise", strategy=strategy
     )
     assert proc.returncode != 0
-    assert "ValueError: injected failure on rank 0" in proc.stderr
+    assert "ValueError: injected failure on rank 0" in proc.text()
     assert not records(app / "sweep" / "0")
     assert_ranks_agree(app / "sweep" / "1")
     for job in ("0", "1"):
@@ -89,28 +98,35 @@ def test_child_hanging_in_training_is_bounded_by_the_process_group_timeout(app):
     assert "in _maybe_fail" in log.read_text()
 
 
-@pytest.mark.parametrize("how", ["SIGTERM to the sweep", "Ctrl-C", "SIGKILL to the sweep"])
-def test_stopping_the_sweep_ends_every_rank(app, how):
-    sweep = start_sweep(app, "module.lr=0.1,0.2", env={"APP_SLOW_STEPS": "1"})
+def stop(sweep, how):
+    if how == "SIGINT to its process group":  # what Ctrl-C in a terminal does
+        os.killpg(sweep.pid, signal.SIGINT)
+    else:
+        sweep.proc.send_signal(signal.SIGTERM if how.startswith("SIGTERM") else signal.SIGKILL)
+
+
+@pytest.mark.parametrize("how", ["SIGTERM to the sweep alone", "SIGINT to its process group", "SIGKILL to the sweep"])
+@pytest.mark.parametrize("while_", ["training", "blocked on a hung child"])
+def test_stopping_the_sweep_ends_every_rank(app, how, while_):
+    if while_ == "training":
+        sweep = start_sweep(app, "module.lr=0.1,0.2", env={"APP_SLOW_STEPS": "1"})
+    else:  # rank 0 waits in a collective for rank 1, which never comes: no signal handler can run
+        sweep = start_sweep(app, "module.lr=0.1,0.2", "module.fail_rank=1", "module.fail_how=train_hang")
     job = app / "sweep" / "0"
     try:
         wait_for(lambda: len(started_pids(job)) == 2, SWEEP_TIMEOUT, "both ranks of job 0 to start")
-        time.sleep(3)  # into training
+        time.sleep(4)  # into training, or into the wait on the hung rank
         stopped = time.monotonic()
-        if how == "Ctrl-C":
-            os.killpg(sweep.pid, signal.SIGINT)
-        else:
-            sweep.send_signal(signal.SIGTERM if how.startswith("SIGTERM") else signal.SIGKILL)
-        sweep.wait(timeout=FAULT_BOUND)
+        stop(sweep, how)
+        sweep.wait(timeout=10 if how != "SIGKILL to the sweep" else FAULT_BOUND)
         took = time.monotonic() - stopped
     finally:
-        if sweep.poll() is None:
-            os.killpg(sweep.pid, signal.SIGKILL)
+        sweep.end()
     assert sweep.returncode != 0
     pids = started_pids(job)
     wait_for(lambda: not any(alive(pid) for pid in pids.values()), 10, f"every rank of job 0 {pids} to end")
     assert not (app / "sweep" / "1").exists(), "a stopped sweep must not start its next job"
-    print(f"{how}: the sweep ended {took:.1f} s after the signal, rank 1 with it")
+    print(f"{how}, {while_}: the sweep exited {sweep.returncode} {took:.1f} s after the signal, rank 1 with it")
 
 
 # --------------------------------------------------------------------------- soak
@@ -136,9 +152,8 @@ def test_soak_two_sweeps_at_once_on_one_machine(tmp_path):
     lrs = ",".join(str(i / 100) for i in range(1, 9))
     started = time.monotonic()
     sweeps = [start_sweep(app_dir, f"module.lr={lrs}") for app_dir in apps]
-    outputs = [sweep.communicate(timeout=900)[0].decode() for sweep in sweeps]
-    for sweep, output in zip(sweeps, outputs):
-        assert sweep.returncode == 0, output[-4000:]
+    for sweep in sweeps:
+        ok(sweep.wait(timeout=900))
     ports = set()
     for app_dir in apps:
         for job in range(8):

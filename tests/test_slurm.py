@@ -76,8 +76,13 @@ def failure_report(proc, app, cluster):
 
 
 def task_log(app, array_task, task):
-    """What SLURM task ``task`` of the job ``<array id>_<index>`` wrote to its stdout."""
-    return (app / "sweep" / ".submitit" / array_task / f"{array_task}_{task}_log.out").read_text()
+    """What SLURM task ``task`` of the job ``<array id>_<index>`` wrote to its stdout and stderr.
+
+    (Lightning logs to stderr when it is imported before Hydra configures logging: submitit
+    unpickles the task function, and with it its imports, first.)
+    """
+    folder = app / "sweep" / ".submitit" / array_task
+    return "".join((folder / f"{array_task}_{task}_log.{stream}").read_text() for stream in ("out", "err"))
 
 
 def slurm_job_ids(cluster, array_id):
@@ -113,7 +118,7 @@ def test_slurm_sweep_two_tasks_per_job(app, cluster, strategy):
         assert seen[0]["strategy"] == f"hydra_fsdp.Hydra{strategy.upper()}"
         # SLURM started both ranks: HydraDDP/HydraFSDP spawned no child and wrote no plan for one
         assert not (job_dir / "rank_1.log").exists()
-        assert not (job_dir / ".hydra" / "rank_plan.yaml").exists()
+        assert not (job_dir / ".hydra" / "rank_launch.pickle").exists()
         # each SLURM task of this job was one rank
         array_task = f"{arrays[0]}_{job}"
         for rank in (0, 1):
@@ -186,13 +191,12 @@ def test_slurm_cancelled_job_fails_the_sweep_instead_of_hanging_it(app, cluster)
     )
     try:
         wait_for(lambda: running(app / "sweep" / "0"), SLURM_SWEEP_TIMEOUT, "the job to start")
-        assert sweep.poll() is None
+        assert sweep.proc.poll() is None
         cluster.run("scancel", *cluster.jobs_left())
-        output = sweep.communicate(timeout=FAIL_FAST_BOUND)[0].decode(errors="replace")
+        sweep.wait(FAIL_FAST_BOUND)
     finally:
-        if sweep.poll() is None:
-            sweep.kill()
-            sweep.wait()
+        sweep.end()
+    output = sweep.text()
     assert sweep.returncode != 0, output[-3000:]
     assert "UncompletedJobError" in output and "CANCELLED" in output, output[-3000:]
     for pid in started_pids(app / "sweep" / "0").values():

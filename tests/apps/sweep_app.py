@@ -2,8 +2,9 @@
 
 Every rank writes what it saw to <job dir>/seen/<stage>_rank<N>.json, and its pid and state to
 <job dir>/started/rank<N>.json as soon as its module is built. Failures are injected by
-module.fail_rank / module.fail_how ("<init|train>_<raise|kill|hang>", or "init_kill_warm_child"
-on rank 0: the warm child of the previous job is killed) in job module.fail_job.
+module.fail_rank / module.fail_how ("<init|train|end>_<raise|kill|hang>") in job module.fail_job:
+while the module is built, in training, or after the task function's last stage.
+The task function runs the stages of ``stages``, each "<stage>[:<same|fresh module>[:<ckpt_path>]]".
 """
 
 import json
@@ -67,13 +68,6 @@ class Tiny(pl.LightningModule):
             os.kill(os.getpid(), 9)
         if how.endswith("hang"):
             time.sleep(10_000)
-        if how == "init_kill_warm_child":  # rank 0, before fit: the warm child of the last job dies
-            previous = job_dir().parent / str(HydraConfig.get().job.num - 1) / "seen" / "fit_rank1.json"
-            pid = json.loads(previous.read_text())["pid"]
-            os.kill(pid, 9)
-            # until it can be reaped (this process is its parent); a zombie main thread is not enough
-            while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
-                time.sleep(0.05)
 
     def forward(self, x):
         return self.net(x)
@@ -177,27 +171,34 @@ Config = make_config(
     datamodule=builds(Shapes),
     stages=["fit"],
     use_datamodule=False,
+    rank0_callback=False,
+    loaders_in_call=False,  # pass the dataloaders straight to trainer.fit/validate/...  # rank 0 alone gets an extra callback: ranks that would deadlock
     # for trainer.callbacks=[${keep_last}]: lets a stage load ckpt_path="last"
     keep_last=builds(pl.callbacks.ModelCheckpoint, save_last=True),
 )
 
 
 def task(cfg):
-    trainer = instantiate(cfg.trainer)
+    extra = [pl.callbacks.EarlyStopping(monitor="val_loss")] if cfg.rank0_callback and local_rank() == 0 else []
+    trainer = instantiate(cfg.trainer, callbacks=extra + list(cfg.trainer.callbacks or []))
     module = instantiate(cfg.module)
     datamodule = instantiate(cfg.datamodule) if cfg.use_datamodule else None
     for spec in cfg.stages:
-        # "<stage>[:<same|fresh module>[:<ckpt_path>]]"
         stage, which, ckpt = (spec.split(":") + ["same", "none"])[:3]
         if which == "fresh":
             module = instantiate(cfg.module)
         kwargs = {} if datamodule is None else {"datamodule": datamodule}
+        if cfg.loaders_in_call:
+            kwargs["train_dataloaders" if stage == "fit" else "dataloaders"] = module._data()
         if ckpt != "none":
             kwargs["ckpt_path"] = ckpt
         getattr(trainer, stage)(module, **kwargs)
+    module._maybe_fail("end")
 
 
 if __name__ == "__main__":
     store(Config, name="config")
     store.add_to_hydra_store()
-    hydra.main(config_name="config", config_path=None, version_base="1.3")(task)()
+    # APP_CLOSURE: a task function no child can import, for the fallback
+    run = (lambda cfg: task(cfg)) if os.environ.get("APP_CLOSURE") else task
+    hydra.main(config_name="config", config_path=None, version_base="1.3")(run)()

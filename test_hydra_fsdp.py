@@ -1,0 +1,260 @@
+"""Unit tests: a mocked ``subprocess.Popen`` (and sleep) pins what ``_rank_launch`` starts, and what
+rank 0 refuses before starting anything. End-to-end tests with real processes are in tests/."""
+
+import functools
+import os
+import pickle
+import subprocess
+import sys
+from unittest import mock
+
+import hydra
+import pytest
+import pytorch_lightning as pl
+import torch
+from hydra.utils import instantiate
+from hydra_zen import builds, launch, make_config, zen
+
+import hydra_fsdp
+from hydra_fsdp import ChildRankError, HydraDDP, HydraFSDP, RankLaunchError
+
+
+class _StopAfterSpawn(ChildRankError):
+    """Raised where rank 0 would wait for its children to check in: the launch ends there."""
+
+
+class FitModule(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+
+    def training_step(self, batch, idx):
+        return self.layer(batch).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.randn(4, 2))
+
+
+def fit_task(cfg):
+    """A task function as users write them: children reach it by reference."""
+    instantiate(cfg.trainer).fit(FitModule())
+
+
+def launch_with_mocked_children(tmp_path, strategy, devices=3, env=None, config=None, task=fit_task, overrides=()):
+    """Run one Hydra job (in this process) whose fit() starts children into a mocked Popen.
+
+    Returns (mocked Popen, mocked sleep, job dir, the job's error). The children never check in:
+    the job is stopped there, which also shows its cleanup.
+    """
+    if config is None:
+        config = make_config(
+            trainer=builds(pl.Trainer, accelerator="cpu", devices=devices, strategy=builds(strategy), logger=False),
+            module=builds(torch.nn.Linear, 2, 2),
+        )
+    with (
+        mock.patch.dict(os.environ, env or {}),
+        mock.patch.object(hydra_fsdp.subprocess, "Popen") as popen,
+        mock.patch.object(hydra_fsdp.time, "sleep") as sleep,
+        mock.patch.object(hydra_fsdp._Job, "wait_until_checked_in", side_effect=_StopAfterSpawn),
+    ):
+        popen.return_value.poll.return_value = None
+        popen.return_value.pid = 4242
+        try:
+            launch(config, task, overrides=[f"hydra.run.dir={tmp_path / 'job'}", *overrides], version_base="1.3")
+            error = None
+        except BaseException as e:  # noqa: BLE001 - the job's error is what we test
+            error = e
+    return popen, sleep, tmp_path / "job", error
+
+
+@pytest.mark.parametrize("strategy", [HydraDDP, HydraFSDP])
+def test_rank_launch_command_env_cwd_and_stagger(tmp_path, strategy):
+    popen, sleep, job_dir, error = launch_with_mocked_children(
+        tmp_path, strategy, devices=3, env={hydra_fsdp.LAUNCH_DELAY_ENV: "2.5"}
+    )
+    assert isinstance(error, _StopAfterSpawn)
+    config = job_dir / ".hydra" / "config.yaml"
+    assert popen.call_count == 2
+    ports = set()
+    for rank, call in zip((1, 2), popen.call_args_list):
+        assert call.args[0] == [sys.executable, os.path.abspath(hydra_fsdp.__file__), str(config)]
+        env = call.kwargs["env"]
+        assert env["LOCAL_RANK"] == str(rank)
+        assert (env["NODE_RANK"], env["WORLD_SIZE"], env["MASTER_ADDR"]) == ("0", "3", "127.0.0.1")
+        assert env["PYTHONUNBUFFERED"] == "1" and env["HYDRA_FSDP_CONFIG"] == str(config)
+        assert env["PATH"] == os.environ["PATH"]  # the rest of rank 0's environment
+        ports.add(env["MASTER_PORT"])
+        assert call.kwargs["cwd"] == os.getcwd()
+        assert call.kwargs["stdin"] == subprocess.DEVNULL
+        assert call.kwargs["stdout"].name == str(job_dir / f"rank_{rank}.log")
+        assert call.kwargs["stderr"] == subprocess.STDOUT
+    assert len(ports) == 1
+    sleep.assert_any_call(2.5)  # between the two child starts, not before the first
+    assert [c for c in sleep.call_args_list if c.args == (2.5,)] == [mock.call(2.5)]
+    # the job cleaned up: children killed and reaped, rank 0's environment as it was
+    assert popen.return_value.kill.called
+    for key in hydra_fsdp._RENDEZVOUS_ENV:
+        assert key not in os.environ
+    assert hydra_fsdp._running_job is None and not torch.distributed.is_initialized()
+
+
+def test_the_child_gets_the_task_function_and_where_rank0_stands(tmp_path):
+    _, _, job_dir, _ = launch_with_mocked_children(tmp_path, HydraDDP, devices=2)
+    saved = pickle.loads((job_dir / ".hydra" / hydra_fsdp._LAUNCH_FILE).read_bytes())
+    assert pickle.loads(saved["task"]) is fit_task
+    assert saved["module"] == "hydra_fsdp" and saved["cwd"] == os.getcwd() and saved["sys_path"] == sys.path
+    assert saved["hydra"]["runtime"]["output_dir"] == str(job_dir) and saved["struct"] is True
+
+
+def test_no_stagger_for_a_single_child(tmp_path):
+    popen, sleep, _, _ = launch_with_mocked_children(tmp_path, HydraDDP, devices=2)
+    assert popen.call_count == 1
+    assert mock.call(1.0) not in sleep.call_args_list
+
+
+def test_stagger_zero_disables_it(tmp_path):
+    popen, sleep, _, _ = launch_with_mocked_children(tmp_path, HydraDDP, devices=4, env={hydra_fsdp.LAUNCH_DELAY_ENV: "0"})
+    assert popen.call_count == 3
+    assert mock.call(0.0) not in sleep.call_args_list and mock.call(1.0) not in sleep.call_args_list
+
+
+def test_stagger_default_is_one_second(tmp_path, monkeypatch):
+    monkeypatch.delenv(hydra_fsdp.LAUNCH_DELAY_ENV, raising=False)
+    assert hydra_fsdp._launch_delay() == 1.0
+    popen, sleep, _, _ = launch_with_mocked_children(tmp_path, HydraDDP, devices=4)
+    assert popen.call_count == 3
+    assert [c for c in sleep.call_args_list if c.args == (1.0,)] == [mock.call(1.0)] * 2
+    monkeypatch.setenv(hydra_fsdp.LAUNCH_DELAY_ENV, "0.25")
+    assert hydra_fsdp._launch_delay() == 0.25
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "nan", "inf", "", "1s"])
+def test_bad_stagger_fails_before_any_start(tmp_path, value):
+    popen, _, _, error = launch_with_mocked_children(tmp_path, HydraDDP, env={hydra_fsdp.LAUNCH_DELAY_ENV: value})
+    assert isinstance(error, RankLaunchError)
+    assert hydra_fsdp.LAUNCH_DELAY_ENV in str(error) and repr(value) in str(error)
+    popen.assert_not_called()
+    assert hydra_fsdp._running_job is None
+
+
+def test_missing_saved_config_fails_before_any_start(tmp_path):
+    popen, _, _, error = launch_with_mocked_children(tmp_path, HydraFSDP, overrides=["hydra.output_subdir=null"])
+    assert isinstance(error, RankLaunchError)
+    assert "hydra.output_subdir is null" in str(error)
+    popen.assert_not_called()
+
+
+def test_outside_a_hydra_job_is_a_clear_error():
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=HydraDDP(), logger=False)
+    with mock.patch.object(hydra_fsdp.subprocess, "Popen") as popen, pytest.raises(RankLaunchError, match="no Hydra job"):
+        trainer.fit(FitModule())
+    popen.assert_not_called()
+
+
+# --------------------------------------------------------------------------- how the task reaches a child
+
+
+@hydra.main(version_base="1.3", config_path=None, config_name=None)
+def decorated_main(cfg):
+    """What @hydra.main hands Hydra is this function undecorated; the module's name is the wrapper."""
+
+
+def _logged(function):
+    @functools.wraps(function)
+    def wrapper(cfg):
+        return function(cfg)
+
+    return wrapper
+
+
+@_logged
+@_logged
+def twice_decorated(cfg):
+    pass
+
+
+@pytest.mark.parametrize(
+    "task",
+    [fit_task, decorated_main.__wrapped__, twice_decorated.__wrapped__.__wrapped__, zen(FitModule)],
+    ids=["function", "@hydra.main", "two decorators", "zen"],
+)
+def test_task_functions_reach_a_child_by_reference(task):
+    pickled, why_not = hydra_fsdp._pickled_task(task)
+    assert why_not == ""
+    unpickled = pickle.loads(pickled)
+    if isinstance(task, type(zen(FitModule))):
+        assert unpickled.func is FitModule
+    else:
+        assert unpickled is task
+    assert len(pickled) < 500, "by reference: names, not code"
+
+
+def test_a_closure_or_lambda_cannot_reach_a_child():
+    def closure(cfg):
+        pass
+
+    for task in (closure, lambda cfg: None):
+        pickled, why_not = hydra_fsdp._pickled_task(task)
+        assert pickled is None and "cannot be pickled by reference" in why_not
+
+
+def test_a_task_of_an_interactive_session_cannot_reach_a_child(monkeypatch):
+    def typed_in(cfg):
+        pass
+
+    typed_in.__module__, typed_in.__qualname__ = "__main__", "typed_in"
+    monkeypatch.setattr(sys.modules["__main__"], "typed_in", typed_in, raising=False)
+    monkeypatch.setattr(hydra_fsdp, "_launching_script", lambda: {})  # what `python -i`, Jupyter give
+    pickled, why_not = hydra_fsdp._pickled_task(typed_in)
+    assert pickled is None and "interactive session" in why_not
+
+
+def test_fallback_is_one_logged_line_and_starts_children(tmp_path, capsys):
+    popen, _, job_dir, error = launch_with_mocked_children(tmp_path, HydraDDP, devices=2, task=lambda cfg: fit_task(cfg))
+    assert isinstance(error, _StopAfterSpawn) and popen.call_count == 1
+    logged = capsys.readouterr().out  # Hydra's job logging writes to the console
+    lines = [line for line in logged.splitlines() if "[hydra_fsdp]" in line]
+    assert len(lines) == 1 and "[WARNING]" in lines[0] and "build the config's trainer and module" in lines[0]
+    saved = pickle.loads((job_dir / ".hydra" / hydra_fsdp._LAUNCH_FILE).read_bytes())
+    assert saved["task"] is None and saved["contract"] == {"module_key": "module", "datamodule_key": "datamodule"}
+
+
+def test_fallback_without_the_module_in_the_config_fails_naming_file_and_key(tmp_path):
+    config = make_config(trainer=builds(pl.Trainer, accelerator="cpu", devices=2, strategy=builds(HydraDDP)))
+    popen, _, job_dir, error = launch_with_mocked_children(tmp_path, HydraDDP, config=config, task=lambda cfg: fit_task(cfg))
+    assert isinstance(error, RankLaunchError)
+    message = str(error)
+    assert str(job_dir / ".hydra" / "config.yaml") in message and "'module'" in message
+    assert "module_key='model'" in message and "cannot be pickled by reference" in message
+    popen.assert_not_called()
+
+
+# --------------------------------------------------------------------------- torchrun / SLURM
+
+
+def test_external_launcher_spawns_nothing():
+    env = {"LOCAL_RANK": "0", "NODE_RANK": "0", "WORLD_SIZE": "2"}
+    with mock.patch.dict(os.environ, env), mock.patch.object(hydra_fsdp.subprocess, "Popen") as popen:
+        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=HydraDDP(), logger=False)
+        assert trainer.strategy.cluster_environment.creates_processes_externally
+        assert trainer.strategy.launcher.launch(lambda: "ran", trainer=trainer) == "ran"
+    popen.assert_not_called()
+
+
+def test_external_world_size_mismatch_is_a_clear_error():
+    env = {"LOCAL_RANK": "0", "NODE_RANK": "0", "WORLD_SIZE": "3"}
+    with mock.patch.dict(os.environ, env):
+        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=HydraDDP(), logger=False)
+        with pytest.raises(RankLaunchError, match=r"3 .*2"):
+            trainer.strategy.launcher.launch(lambda: "ran", trainer=trainer)
+
+
+@pytest.mark.parametrize(
+    "text", ["plain", "a${b}", "x\\${y}", "\\\\${z}", "dir/a=1,b=[2,3],c=${d}\\e f", "end\\", "$ {x}", "${"]
+)
+def test_escaped_strings_read_back_literally(text):
+    config = hydra_fsdp.OmegaConf.create({"value": hydra_fsdp._escaped(text)})
+    assert config.value == text

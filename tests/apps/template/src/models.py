@@ -1,0 +1,68 @@
+"""A tiny LightningModule that records, per rank, what that rank ran (for the tests to compare)."""
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from hydra.core.hydra_config import HydraConfig
+from lightning import LightningModule
+
+
+class TinyLitModule(LightningModule):
+    def __init__(self, lr: float = 0.1, width: int = 32) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Linear(width, 1))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def _loss(self, batch):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self(x), y)
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        self.log("train/loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/loss", self._loss(batch), sync_dist=True)
+
+    def test_step(self, batch, batch_idx):
+        self.log("test/loss", self._loss(batch), sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+    def on_train_end(self):
+        self._record("fit")
+
+    def on_test_end(self):
+        self._record("test")
+
+    def _record(self, stage):
+        held = [p.detach().double() for p in self.trainer.model.parameters()]
+        local_sum = torch.tensor(float(sum(p.sum() for p in held)), dtype=torch.float64)
+        full_sum = local_sum.clone()
+        torch.distributed.all_reduce(full_sum)
+        trainer = self.trainer
+        seen = {
+            "stage": stage,
+            "rank": trainer.global_rank,
+            "world": trainer.world_size,
+            "pid": os.getpid(),
+            "lr": self.hparams.lr,
+            "callbacks": sorted(type(c).__name__ for c in trainer.callbacks),
+            "loggers": sorted(type(lg).__name__ for lg in trainer.loggers),
+            "ckpt_path": trainer.ckpt_path,
+            "strategy": f"{type(trainer.strategy).__module__}.{type(trainer.strategy).__qualname__}",
+            "output_dir": HydraConfig.get().runtime.output_dir,
+            "params_held": sum(p.numel() for p in held),
+            "local_weight_sum": float(local_sum),
+            "weight_sum": float(full_sum) if "FSDP" in type(trainer.strategy).__name__ else float(local_sum),
+        }
+        out = Path(seen["output_dir"], "seen")
+        out.mkdir(exist_ok=True)
+        (out / f"{stage}_rank{trainer.global_rank}.json").write_text(json.dumps(seen))

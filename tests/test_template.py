@@ -1,0 +1,62 @@
+"""The app users really write: lightning-hydra-template's train.py (tests/apps/template), swept.
+
+Callbacks and loggers come from their own config groups and reach the Trainer as
+``instantiate(cfg.trainer, callbacks=callbacks, logger=logger)``; the task function is wrapped in
+the template's ``task_wrapper``, seeds from ``cfg.seed``, fits with ``ckpt_path=cfg.get("ckpt_path")``
+and tests with ``ckpt_path=trainer.checkpoint_callback.best_model_path``. Every rank must build
+and run all of it, as rank 0 does.
+"""
+
+import csv
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import APPS, app_env, ok, records, run
+
+CALLBACKS = ["EarlyStopping", "ModelCheckpoint", "ModelSummary"]
+
+
+@pytest.fixture
+def template(tmp_path):
+    return Path(shutil.copytree(APPS / "template", tmp_path / "project"))
+
+
+@pytest.mark.parametrize("trainer", ["ddp", "fsdp"])
+def test_template_train_py_sweep(template, trainer):
+    proc = ok(
+        run(
+            [sys.executable, "src/train.py", "-m", "hydra.sweep.dir=sweep", f"trainer={trainer}", "model.lr=0.1,0.2"],
+            template,
+            app_env(),
+        )
+    )
+    strategy = f"hydra_fsdp.lightning.Hydra{trainer.upper()}"
+    for job, lr in ((0, 0.1), (1, 0.2)):
+        job_dir = template / "sweep" / str(job)
+        fit, tested = records(job_dir, "fit"), records(job_dir, "test")
+        assert sorted(fit) == sorted(tested) == [0, 1]
+        for seen in (*fit.values(), *tested.values()):
+            assert seen["lr"] == lr and seen["world"] == 2 and seen["strategy"] == strategy
+            assert seen["callbacks"] == CALLBACKS and seen["loggers"] == ["CSVLogger"]
+            assert seen["output_dir"] == str(job_dir)
+        for rank in (0, 1):
+            assert fit[rank]["pid"] == tested[rank]["pid"], "one process per rank for the whole job"
+        assert fit[0]["pid"] != fit[1]["pid"]
+        # the same weights on every rank, after fit and at test (those of the best checkpoint)
+        assert fit[0]["weight_sum"] == fit[1]["weight_sum"]
+        assert tested[0]["weight_sum"] == tested[1]["weight_sum"]
+        if trainer == "fsdp":
+            assert fit[0]["params_held"] + fit[1]["params_held"] == 321
+        # each job has its own checkpoints, and tested the best one on every rank
+        checkpoints = sorted(p.name for p in (job_dir / "checkpoints").iterdir())
+        assert "last.ckpt" in checkpoints and any(name.startswith("epoch_") for name in checkpoints)
+        best = tested[0]["ckpt_path"]
+        assert best == tested[1]["ckpt_path"] and Path(best).parent == job_dir / "checkpoints"
+        assert Path(best).name.startswith("epoch_")
+        # and its logged test metrics, written once (by rank 0)
+        rows = list(csv.DictReader((job_dir / "csv" / "version_0" / "metrics.csv").open()))
+        assert [row["test/loss"] for row in rows if row.get("test/loss")], rows
+        assert not (job_dir / "csv" / "version_1").exists()
+    print(f"template train.py, 2 jobs x 2 ranks, Hydra{trainer.upper()}: {proc.seconds:.1f} s")
