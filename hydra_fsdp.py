@@ -64,6 +64,7 @@ size before the rendezvous, and compare the same way.
 import atexit
 import faulthandler
 import functools
+import gc
 import hashlib
 import importlib
 import importlib.util
@@ -670,8 +671,15 @@ def _stage_for_children(trainer: Any, call: dict) -> dict:
 
 
 def _destroy_process_group() -> None:
+    """Destroy the default process group and let go of it while the interpreter is whole.
+
+    Destroying alone leaves gloo's threads running while anything still holds the group (an
+    FSDP module does, in a reference cycle); at exit they then abort the process (``terminate
+    called without an active exception``) after a sweep that finished. Collecting ends them.
+    """
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    gc.collect()
 
 
 def _log_excerpt(log_path: Path) -> list[str]:
