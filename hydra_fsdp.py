@@ -29,8 +29,8 @@ With hydra-zen::
 
 or in YAML ``strategy: {_target_: hydra_fsdp.HydraDDP}``, with any task function
 (``@hydra.main``, ``zen(...)``, ``hydra_zen.launch``). Whatever it builds -- callbacks, loggers,
-dataloaders, a second Trainer -- every rank builds the same. ``hydra_fsdp.HydraDDP`` subclasses the
-Lightning your program imported (``lightning.pytorch`` or ``pytorch_lightning``);
+dataloaders, a second Trainer -- every rank builds the same. ``hydra_fsdp.HydraDDP`` subclasses
+``pytorch_lightning``'s strategy (or ``lightning.pytorch``'s, if it is the only one installed);
 ``hydra_fsdp.lightning.*`` and ``hydra_fsdp.pytorch_lightning.*`` name one explicitly.
 
 Arguments beyond Lightning's: ``rank_timeout`` (s, default 600), and ``module_key`` /
@@ -42,14 +42,18 @@ How
 At a job's first stage rank 0 saves, beside the job's config, what a child needs to stand where
 rank 0 stands (the task function, by reference as multiprocessing's spawn passes it; the
 ``${now:...}`` values rank 0 resolved; Hydra's runtime config; working directory, ``sys.path``),
-binds a free port and starts each child rank as::
+binds a free port, splits the CPUs among the ranks as Lightning's launcher does, and starts each
+child rank -- in effect::
 
     LOCAL_RANK=1 NODE_RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=<port> \\
         python /path/to/hydra_fsdp.py <job dir>/.hydra/config.yaml
 
-A child imports rank 0's script as ``__mp_main__``, loads the config and calls the task
-function with it. Children and the process group live until Hydra ends the job; then rank 0
-checks the children's exit codes. A failed rank fails its job, never the sweep. A task function
+but forked from the sweep's fork server, a process that imported torch, Lightning and Hydra
+once: a fresh process per rank per job, up in milliseconds. A child imports rank 0's script as
+``__mp_main__``, loads the config and calls the task function with it. Children and the process
+group live until Hydra ends the job; then rank 0 checks the children's exit codes. A failed rank
+fails its job, never the sweep. From a sweep's second job on, children are started already at
+Hydra's start of the job, and run the task function once rank 0 reaches a stage. A task function
 that cannot be pickled by reference (a lambda, a closure, one typed into an interactive session)
 cannot reach a child: children then instantiate the config's ``trainer`` and ``module`` (and
 ``datamodule``) and run the stages rank 0 runs -- the fallback, said in one logged line.
@@ -78,6 +82,7 @@ import os
 import pickle
 import re
 import runpy
+import select
 import signal
 import subprocess
 import sys
@@ -88,7 +93,7 @@ import types
 from datetime import timedelta
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed
@@ -115,7 +120,10 @@ DEFAULT_RANK_TIMEOUT = 600.0
 _LAUNCH_FILE = "rank_launch.pickle"
 # Set in the environment of the child ranks hydra_fsdp starts: the saved config they run.
 _CHILD_ENV = "HYDRA_FSDP_CONFIG"
+# Set in the fork server's environment: what it imports (see _ForkServer).
+_SERVER_ENV = "HYDRA_FSDP_FORK_SERVER"
 _CHECK_IN_KEY = "hydra_fsdp/ready/{}"
+_GO_KEY = "hydra_fsdp/go"  # rank 0 runs this job with these children: they may run the task function
 _STAGE_KEY = "hydra_fsdp/stage/{}"  # the fallback: the stages rank 0 runs, in order
 # What a job may change in rank 0's environment (it sets MASTER_PORT; Lightning sets
 # MASTER_ADDR/MASTER_PORT and its teardown deletes WORLD_SIZE): put back as it was afterwards,
@@ -304,7 +312,7 @@ def _pickled_task(task_function: Callable) -> tuple[Optional[bytes], str]:
     return buffer.getvalue(), ""
 
 
-def _write_launch(config_path: Path, hydra_job: dict, strategy: "_HydraStrategy") -> bool:
+def _write_launch(config_path: Path, hydra_job: dict, shape: "_Shape") -> bool:
     """Save beside the job's config what a child needs to run the job as rank 0 runs it.
 
     Return whether the children run the task function (else the fallback: the config contract).
@@ -313,7 +321,7 @@ def _write_launch(config_path: Path, hydra_job: dict, strategy: "_HydraStrategy"
     _resolved_where_possible(task_cfg)  # caches every ${now:...} rank 0 will read
     task, why_not = _pickled_task(hydra_job["task_function"])
     if task is None:
-        contract_keys = ("trainer", strategy._config_keys["module_key"])
+        contract_keys = ("trainer", shape.module_key)
         config = OmegaConf.load(config_path)
         missing = [key for key in contract_keys if key not in config]
         if missing:
@@ -336,13 +344,13 @@ def _write_launch(config_path: Path, hydra_job: dict, strategy: "_HydraStrategy"
         "cache": OmegaConf.get_cache(task_cfg),
         "struct": OmegaConf.is_struct(task_cfg),
         "task": task,
-        "contract": strategy._config_keys,
+        "contract": {"module_key": shape.module_key, "datamodule_key": shape.datamodule_key},
     }
     config_path.with_name(_LAUNCH_FILE).write_bytes(pickle.dumps(launch))
     return task is not None
 
 
-def _rank_launch(children: dict, world_size: int, address: str, port: int) -> None:
+def _rank_launch(children: dict, world_size: int, address: str, port: int, lightning: str) -> None:
     """Start child ranks 1..N-1 of the running Hydra job into ``children``, each as::
 
         LOCAL_RANK=<r> NODE_RANK=0 WORLD_SIZE=<N> MASTER_ADDR=<address> MASTER_PORT=<port> \\
@@ -351,8 +359,9 @@ def _rank_launch(children: dict, world_size: int, address: str, port: int) -> No
 
     where ``<config>`` is the job's saved ``<job dir>/<hydra.output_subdir>/config.yaml``, with
     the rest of rank 0's environment (``hydra.job.env_set`` included) and in its working
-    directory, ``MUSHIN_DDP_LAUNCH_DELAY`` seconds apart. Each started child is in ``children``
-    at once, so that whoever ends them finds every one, even if a later start fails.
+    directory, ``MUSHIN_DDP_LAUNCH_DELAY`` seconds apart -- in effect: the sweep's fork server
+    runs each in a fresh fork of itself, without paying the imports again (see ``_ForkServer``).
+    Each started child is in ``children`` at once, so that whoever ends them finds every one.
     """
     config_path = _saved_config_path()
     delay = _launch_delay()
@@ -371,15 +380,197 @@ def _rank_launch(children: dict, world_size: int, address: str, port: int) -> No
             PYTHONUNBUFFERED="1",  # a killed child's log must still hold its last words
         )
         env[_CHILD_ENV] = str(config_path)
-        with open(job_dir / f"rank_{rank}.log", "ab") as log_file:
-            children[rank] = subprocess.Popen(
-                command,
-                env=env,
-                cwd=os.getcwd(),
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-            )
+        children[rank] = _started_fork_server(lightning).start(command, env, job_dir / f"rank_{rank}.log")
+
+
+# --------------------------------------------------------------------------- the fork server
+
+
+# The fork server of this sweep, started by its first job that has child ranks.
+_fork_server: Optional["_ForkServer"] = None
+
+
+class _ForkServer:
+    """A process that imports torch, Lightning and Hydra once and forks every child rank of a sweep.
+
+    A child started from scratch pays those imports on every job (seconds; more on a cluster's
+    shared file system). A fork of a process that holds them is up in milliseconds and is still a
+    fresh process: a new pid, rank 0's script and all else imported anew, the job's environment.
+    So the server imports nothing more (but hydra-zen, if rank 0 uses it: pure Python, and
+    most of a hydra-zen script's import), starts no thread and never touches CUDA (with
+    ``PYTORCH_NVML_BASED_CUDA_CHECK`` a CUDA query asks NVML instead of initialising CUDA). It runs
+    as ``python /path/to/hydra_fsdp.py`` with ``HYDRA_FSDP_FORK_SERVER`` naming what to import,
+    reads a child's command a line on stdin, answers its pid and later its exit code on stdout,
+    and ends, ending its children, when rank 0 closes its stdin or dies.
+    """
+
+    def __init__(self, lightning: str) -> None:
+        env_set = HydraConfig.get().job.env_set  # the job's environment is the children's, not the server's
+        env = {key: value for key, value in os.environ.items() if key not in env_set}
+        env.update(PYTHONUNBUFFERED="1", PYTORCH_NVML_BASED_CUDA_CHECK="1")
+        imports = [lightning] + [name for name in ("hydra_zen",) if name in sys.modules]
+        env[_SERVER_ENV] = json.dumps({"sys_path": sys.path, "module": __name__, "imports": imports})
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+        self.unread = b""
+        self.started: list[int] = []
+        self.exit_codes: dict[int, int] = {}
+        atexit.register(self.close)
+
+    def start(self, command: list, env: dict, log: Path) -> "_ForkedChild":
+        """Have the server fork a child that runs ``command`` with ``env``, writing to ``log``."""
+        request = {"command": command, "env": env, "cwd": os.getcwd(), "log": str(log)}
+        try:
+            self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+            self.proc.stdin.flush()
+            while not self.started:
+                self.read(timeout=None)
+        except (BrokenPipeError, EOFError):
+            raise ChildRankError(
+                f"hydra_fsdp's fork server (pid {self.proc.pid}) exited with code {self.proc.wait()} before"
+                " it started a child rank; its error is in rank 0's output above."
+            ) from None
+        return _ForkedChild(self, self.started.pop(0))
+
+    def read(self, timeout: Optional[float]) -> None:
+        """Take in what the server said: the pids it started, the exit codes of its children."""
+        replies = self.proc.stdout.fileno()
+        if not select.select([replies], [], [], timeout)[0]:
+            return
+        said = os.read(replies, 1 << 16)
+        if not said:  # the server died, its children with it: how they ended is unknown
+            raise EOFError
+        *lines, self.unread = (self.unread + said).split(b"\n")
+        for line in map(json.loads, lines):
+            if "started" in line:
+                self.started.append(line["started"])
+            else:
+                self.exit_codes[line["exited"]] = line["code"]
+
+    def close(self) -> None:
+        """Close the server's stdin: it ends, and with it any child still running."""
+        atexit.unregister(self.close)
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait()
+
+
+def _started_fork_server(lightning: str) -> _ForkServer:
+    global _fork_server
+    if _fork_server is None or _fork_server.proc.poll() is not None:
+        _fork_server = _ForkServer(lightning)
+    return _fork_server
+
+
+def _close_fork_server() -> None:
+    global _fork_server
+    if _fork_server is not None:
+        _fork_server.close()
+        _fork_server = None
+
+
+class _ForkedChild:
+    """A child rank the fork server started: the part of ``subprocess.Popen`` rank 0 uses."""
+
+    def __init__(self, server: _ForkServer, pid: int) -> None:
+        self.server = server
+        self.pid = pid
+        self.returncode: Optional[int] = None
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None:
+            try:
+                self.server.read(timeout=0)
+            except EOFError:
+                self.server.exit_codes.setdefault(self.pid, -signal.SIGKILL)
+            self.returncode = self.server.exit_codes.pop(self.pid, None)
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"child rank pid {self.pid}", timeout)
+            try:  # wakes as soon as the server says anything
+                self.server.read(timeout=_POLL_INTERVAL if deadline is None else max(0.0, deadline - time.monotonic()))
+            except EOFError:
+                self.server.exit_codes.setdefault(self.pid, -signal.SIGKILL)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        # By pid, from any thread: the server reaps a child only once it has exited.
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _serve_forks(imports: list) -> None:
+    """The fork server's loop (see ``_ForkServer``): fork a child per request, report each exit."""
+    for name in imports:  # what every child needs, imported once for all of them
+        importlib.import_module(name)
+    # The children's collections skip what the server holds: a full collection over torch and
+    # Lightning takes 0.2 s, and would write to (and so copy) every page those objects lie on.
+    gc.freeze()
+    replies = os.dup(1)
+    os.dup2(2, 1)  # whatever anything prints goes to rank 0's stderr, never into the replies
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0 and the children
+    parent = os.getppid()
+    children: set = set()
+    unread = b""
+    while os.getppid() == parent:
+        if select.select([0], [], [], _POLL_INTERVAL)[0]:
+            heard = os.read(0, 1 << 16)
+            if not heard:
+                break
+            *lines, unread = (unread + heard).split(b"\n")
+            for request in map(json.loads, lines):
+                pid = os.fork()
+                if pid == 0:
+                    _run_forked(request, imports[0], replies)
+                children.add(pid)
+                os.write(replies, json.dumps({"started": pid}).encode() + b"\n")
+        for pid in list(children):
+            exited, status = os.waitpid(pid, os.WNOHANG)
+            if exited:
+                children.discard(pid)
+                code = os.waitstatus_to_exitcode(status)
+                os.write(replies, json.dumps({"exited": pid, "code": code}).encode() + b"\n")
+    for pid in children:  # rank 0 is gone, and with it the job
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    os._exit(0)  # nothing to clean up: finalizing torch would only cost rank 0 most of a second
+
+
+def _run_forked(request: dict, lightning: str, replies: int) -> None:
+    """In a process the fork server just forked: become the child rank ``request`` starts."""
+    try:
+        os.close(replies)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)):
+            opened = os.open(path, flags, 0o666)
+            os.dup2(opened, fd)
+            os.close(opened)
+        os.dup2(1, 2)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        # What a process started from scratch reads at start-up, read again in this job's environment.
+        rank_zero = importlib.import_module(f"{lightning}.utilities.rank_zero")
+        rank_zero.rank_zero_only.rank = int(os.environ["LOCAL_RANK"])
+        if "OMP_NUM_THREADS" in os.environ:
+            torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        if "numpy" in sys.modules:  # else every fork draws the server's numbers
+            sys.modules["numpy"].random.seed()
+        _run_child_rank(request["command"][-1])
+    except BaseException:
+        traceback.print_exc()
+    os._exit(1)
 
 
 # --------------------------------------------------------------------------- rank 0's job
@@ -389,65 +580,80 @@ def _rank_launch(children: dict, world_size: int, address: str, port: int) -> No
 _running_job: Optional["_Job"] = None
 
 
+class _Shape(NamedTuple):
+    """What starting a job's child ranks takes from its strategy."""
+
+    world_size: int
+    address: str
+    lightning: str
+    rank_timeout: float
+    module_key: str
+    datamodule_key: str
+
+    @classmethod
+    def of(cls, strategy: "_HydraStrategy") -> "_Shape":
+        env = strategy.cluster_environment
+        return cls(strategy.world_size, env.main_address, strategy._lightning.__name__, strategy.rank_timeout, **strategy._config_keys)
+
+
 class _Job:
     """Rank 0's side of one Hydra job: its child ranks, its port and its process group.
 
-    Started at the job's first stage and ended when Hydra ends the job (an ``on_job_end``
-    callback added to the running Hydra's callbacks), so that the task function's sequence of
-    stages -- fit then test, a second Trainer -- runs on one set of ranks, as under stock DDP.
+    Started at the job's first stage -- or already at Hydra's start of the job when the sweep's
+    previous job had the same shape, so that the children import rank 0's script while rank 0
+    builds its own trainer; they wait for rank 0's go before they run the task function. Ended
+    when Hydra ends the job, so that the task function's sequence of stages -- fit then test, a
+    second Trainer -- runs on one set of ranks, as under stock DDP.
     """
 
-    def __init__(self, strategy: "_HydraStrategy", hydra_job: dict) -> None:
+    def __init__(self, shape: _Shape, hydra_job: dict) -> None:
+        self.shape = shape
         self.job_return = hydra_job["ret"]
-        self.world_size = strategy.world_size
-        self.timeout = strategy.rank_timeout
+        self.timeout = shape.rank_timeout
         self.job_dir = Path(HydraConfig.get().runtime.output_dir)
-        self.children: dict[int, subprocess.Popen] = {}
-        self.checked_in = False
+        self.children: dict[int, _ForkedChild] = {}
+        self.going = False
         self.runs_task = True
         self.stages_announced = 0
         self.signal_received: Optional[int] = None
         self.saved_env = {key: os.environ.get(key) for key in _RENDEZVOUS_ENV}
         # Port 0: the OS picks a port nobody holds, and we hold it until the job ends. torch's
         # own init_process_group reuses this store (multi_tenant), and children check in here.
-        address = strategy.cluster_environment.main_address
         self.store = torch.distributed.TCPStore(
-            address, 0, is_master=True, multi_tenant=True, wait_for_workers=False
+            shape.address, 0, is_master=True, multi_tenant=True, wait_for_workers=False
         )
         os.environ["MASTER_PORT"] = str(self.store.port)
-        self.address = address
         self.signal_watch = _SignalWatch(self.end_on_signal)
         atexit.register(self.close)  # a job that never reaches on_job_end (SystemExit) still ends
 
     @classmethod
-    def start(cls, strategy: "_HydraStrategy") -> "_Job":
+    def start(cls, shape: _Shape) -> "_Job":
         global _running_job
         config_path = _saved_config_path()
         hydra_job = _hydra_job()
         if _running_job is not None:  # a job Hydra never ended (it raised past run_job)
             _running_job.close()
-        job = _running_job = cls(strategy, hydra_job)
+        job = _running_job = cls(shape, hydra_job)
         try:
-            job.runs_task = _write_launch(config_path, hydra_job, strategy)
-            _end_jobs_with_hydra(hydra_job["hydra_context"])
-            env = strategy.cluster_environment
-            if isinstance(env, _lightning_environment_class(strategy._lightning)):
-                env._main_port = -1  # it caches the first port it read; this job's is new
-            _rank_launch(job.children, job.world_size, job.address, job.store.port)
+            _share_cpus(shape.world_size)
+            job.runs_task = _write_launch(config_path, hydra_job, shape)
+            _follow_hydra(hydra_job["hydra_context"]).last_shape = shape
+            _rank_launch(job.children, shape.world_size, shape.address, job.store.port, shape.lightning)
         except BaseException:
             job.close()
             raise
         return job
 
     def begin_stage(self, trainer: Any, call: dict) -> None:
-        """Before rank 0 runs a stage: children alive, told the stage (fallback), checked in."""
+        """Before rank 0 runs a stage: children alive, going, told the stage (fallback), checked in."""
         self.raise_if_any_failed()
         if not self.runs_task:
             self.store.set(_STAGE_KEY.format(self.stages_announced), json.dumps(_stage_for_children(trainer, call)))
             self.stages_announced += 1
-        if not self.checked_in:
+        if not self.going:
+            self.store.set(_GO_KEY, "1")
+            self.going = True
             self.wait_until_checked_in()
-            self.checked_in = True
 
     def wait_until_checked_in(self) -> None:
         """Wait until every child is about to join the process group, failing fast if one cannot."""
@@ -496,6 +702,8 @@ class _Job:
     def finish(self, job_return: Any) -> None:
         """Hydra ended the job: check the children's exits (a late failure fails the job), clean up."""
         try:
+            if not self.going:  # started at the job's start, which then ran no stage: nor did they
+                return
             if job_return.status is JobStatus.COMPLETED:
                 if not self.runs_task:
                     self.store.set(_STAGE_KEY.format(self.stages_announced), "null")
@@ -521,7 +729,10 @@ class _Job:
                     f"Child rank(s) {late} were still running {self.timeout:g} s after rank 0 finished"
                     f" the job and were ended. {self.describe(late[0])}"
                 )
-            time.sleep(_POLL_INTERVAL)
+            try:  # wakes as soon as any child exits
+                next(p for p in self.children.values() if p.poll() is None).wait(timeout=_POLL_INTERVAL)
+            except (subprocess.TimeoutExpired, StopIteration):
+                pass
         failed = self.first_failure(grace=0)
         return None if failed is None else self.failure(failed)
 
@@ -590,19 +801,38 @@ class _Job:
         )
 
 
-class _EndJobRanks(Callback):
-    """Added to the running Hydra's callbacks: Hydra's end of a job ends that job's ranks."""
+class _FollowHydra(Callback):
+    """Added to the running Hydra's callbacks: its start of a job starts the job's ranks if the
+    previous job had ranks (``last_shape``), its end of a job ends them, and its end of the run or
+    sweep ends the fork server."""
+
+    last_shape: Optional[_Shape] = None
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if self.last_shape is not None:
+            try:
+                _Job.start(self.last_shape)
+            except Exception:  # the job's first stage starts it again, and reports what went wrong
+                pass
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         if _running_job is not None and _running_job.job_return is job_return:
             _running_job.finish(job_return)
 
+    def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
+        _close_fork_server()
 
-def _end_jobs_with_hydra(hydra_context: Any) -> None:
-    # Hydra's Callbacks object (private) is the only way to its job end without the user's config.
+    on_multirun_end = on_run_end
+
+
+def _follow_hydra(hydra_context: Any) -> _FollowHydra:
+    # Hydra's Callbacks object (private) is the only way to its job ends without the user's config.
     callbacks = hydra_context.callbacks.callbacks
-    if not any(isinstance(callback, _EndJobRanks) for callback in callbacks):
-        callbacks.append(_EndJobRanks())
+    follower = next((callback for callback in callbacks if isinstance(callback, _FollowHydra)), None)
+    if follower is None:
+        follower = _FollowHydra()
+        callbacks.append(follower)
+    return follower
 
 
 class _SignalWatch:
@@ -658,6 +888,16 @@ def _raise_system_exit(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
+def _share_cpus(num_processes: int) -> None:
+    """Split the CPUs among a job's ranks, as Lightning's own launcher does (its children inherit
+    OMP_NUM_THREADS): N ranks each running a thread pool as large as the machine fight over every
+    step. A value the user set stands."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        threads = max(1, len(os.sched_getaffinity(0)) // num_processes)
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
 def _stage_for_children(trainer: Any, call: dict) -> dict:
     """The fallback: what children repeat of a stage rank 0 runs (Lightning resolves the checkpoint)."""
     datamodule_class = trainer.strategy._lightning.LightningDataModule
@@ -671,14 +911,19 @@ def _stage_for_children(trainer: Any, call: dict) -> dict:
 
 
 def _destroy_process_group() -> None:
-    """Destroy the default process group and let go of it while the interpreter is whole.
-
-    Destroying alone leaves gloo's threads running while anything still holds the group (an
-    FSDP module does, in a reference cycle); at exit they then abort the process (``terminate
-    called without an active exception``) after a sweep that finished. Collecting ends them.
-    """
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def _end_process_groups_at_exit() -> None:
+    """Destroy the process group, and let go of every one, while the interpreter is still whole.
+
+    Destroying alone leaves gloo's threads running while anything holds a group (an FSDP module
+    does, in a reference cycle), and at interpreter exit they abort the process (``terminate
+    called without an active exception``, SIGABRT) after a sweep that finished. Collecting the
+    cycles ends them. (A child rank leaves by ``os._exit``, which never gets that far.)
+    """
+    _destroy_process_group()
     gc.collect()
 
 
@@ -690,10 +935,6 @@ def _log_excerpt(log_path: Path) -> list[str]:
         if any("_run_child_rank" in line for line in lines[start:end]):
             return lines[start : start + _LOG_TAIL_LINES]
     return lines[-_LOG_TAIL_LINES:]
-
-
-def _lightning_environment_class(lightning: types.ModuleType) -> type:
-    return importlib.import_module(f"{lightning.__name__}.plugins.environments").LightningEnvironment
 
 
 def _add_note(error: BaseException, note: str) -> None:
@@ -746,13 +987,17 @@ class _HydraRankLauncher:
             )
         hydra_job = _hydra_job() or {}
         job = _running_job if _running_job is not None and _running_job.job_return is hydra_job.get("ret") else None
-        if job is not None and job.world_size != strategy.world_size:
+        shape = _Shape.of(strategy)
+        if job is not None and job.shape != shape and job.going:
             raise RankLaunchError(
-                f"This job's ranks were started for a world size of {job.world_size}, and a Trainer of"
-                f" the same job now asks for {strategy.world_size}. Give every Trainer of one job the"
-                " same devices and num_nodes."
+                f"This job's ranks were started for a world size of {job.shape.world_size}, and a Trainer"
+                f" of the same job now asks for {shape.world_size}. Give every Trainer of one job the same"
+                " devices, num_nodes and strategy arguments."
             )
-        job = job or _Job.start(strategy)
+        if job is not None and job.shape != shape:  # started at job start like the last job: not alike
+            job.close()
+            job = None
+        job = job or _Job.start(shape)
         try:
             job.begin_stage(trainer, call)
             return function(*args, **kwargs)
@@ -884,10 +1129,8 @@ class _HydraStrategy:
 
     def setup_environment(self) -> None:
         super().setup_environment()
-        # torch does not destroy a process group at exit, and gloo's threads can then abort the
-        # interpreter's finalization (SIGABRT after a sweep that finished): destroy it first.
-        atexit.unregister(_destroy_process_group)
-        atexit.register(_destroy_process_group)
+        atexit.unregister(_end_process_groups_at_exit)  # once, however many stages register it
+        atexit.register(_end_process_groups_at_exit)
         if self.world_size > 1:
             _check_ranks_agree(self)
 
@@ -1065,15 +1308,15 @@ def _run_child_rank(config_path: str) -> None:
         task_function = pickle.loads(launch["task"])
     else:
         task_function = functools.partial(_run_config_contract, **launch["contract"])
+    _child_store().get(_GO_KEY)  # rank 0 runs this job with this world size: run it here too
     try:
         task_function(task_cfg)
         exit_code = 0
     except BaseException:
         traceback.print_exc()
         exit_code = 1
-    # Exit now, the process group destroyed first: at interpreter shutdown torch's C++ threads
-    # (gloo, a group an FSDP module still holds) can abort the process after a finished job.
-    _destroy_process_group()
+    # Exit now: at interpreter shutdown torch's C++ threads (gloo's, of a group an FSDP module
+    # still holds) can abort the process after a finished job.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -1133,8 +1376,8 @@ def _import_launching_script(main: dict) -> None:
 
 
 if __name__ == "__main__":
-    # A child rank: run as the module rank 0 imported (whose classes its strategies are), not as
-    # a second copy of it named __main__.
-    _launch = pickle.loads(Path(sys.argv[1]).with_name(_LAUNCH_FILE).read_bytes())
-    sys.path[:] = _launch["sys_path"]
-    importlib.import_module(_launch["module"])._run_child_rank(sys.argv[1])
+    # The fork server, run as the module rank 0 imported (whose classes its strategies are), not
+    # as a second copy of it named __main__.
+    _server = json.loads(os.environ.pop(_SERVER_ENV))
+    sys.path[:] = _server["sys_path"]
+    importlib.import_module(_server["module"])._serve_forks(_server["imports"])

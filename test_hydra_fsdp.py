@@ -2,10 +2,13 @@
 rank 0 refuses before starting anything. End-to-end tests with real processes are in tests/."""
 
 import functools
+import json
 import os
 import pickle
 import subprocess
 import sys
+from pathlib import Path
+from typing import NamedTuple, Optional
 from unittest import mock
 
 import hydra
@@ -57,94 +60,117 @@ def launch_with_mocked_children(tmp_path, strategy, devices=3, env=None, config=
     with (
         mock.patch.dict(os.environ, env or {}),
         mock.patch.object(hydra_fsdp.subprocess, "Popen") as popen,
+        mock.patch.object(hydra_fsdp._ForkServer, "start") as start,
         mock.patch.object(hydra_fsdp.time, "sleep") as sleep,
         mock.patch.object(hydra_fsdp._Job, "wait_until_checked_in", side_effect=_StopAfterSpawn),
     ):
-        popen.return_value.poll.return_value = None
-        popen.return_value.pid = 4242
+        popen.return_value.poll.return_value = None  # the fork server runs
+        start.return_value.poll.return_value = None  # and so does every child it starts
+        start.return_value.pid = 4242
         try:
             launch(config, task, overrides=[f"hydra.run.dir={tmp_path / 'job'}", *overrides], version_base="1.3")
             error = None
         except BaseException as e:  # noqa: BLE001 - the job's error is what we test
             error = e
-    return popen, sleep, tmp_path / "job", error
+        finally:
+            hydra_fsdp._fork_server = None
+    return Launched(popen, start, sleep, tmp_path / "job", error)
+
+
+class Launched(NamedTuple):
+    popen: mock.Mock  # subprocess.Popen: it starts the fork server
+    start: mock.Mock  # _ForkServer.start: the server starts each child rank
+    sleep: mock.Mock
+    job_dir: Path
+    error: Optional[BaseException]
 
 
 @pytest.mark.parametrize("strategy", [HydraDDP, HydraFSDP])
 def test_rank_launch_command_env_cwd_and_stagger(tmp_path, strategy):
-    popen, sleep, job_dir, error = launch_with_mocked_children(
-        tmp_path, strategy, devices=3, env={hydra_fsdp.LAUNCH_DELAY_ENV: "2.5"}
-    )
-    assert isinstance(error, _StopAfterSpawn)
-    config = job_dir / ".hydra" / "config.yaml"
-    assert popen.call_count == 2
+    run = launch_with_mocked_children(tmp_path, strategy, devices=3, env={hydra_fsdp.LAUNCH_DELAY_ENV: "2.5"})
+    assert isinstance(run.error, _StopAfterSpawn)
+    config = run.job_dir / ".hydra" / "config.yaml"
+    assert run.start.call_count == 2
     ports = set()
-    for rank, call in zip((1, 2), popen.call_args_list):
-        assert call.args[0] == [sys.executable, os.path.abspath(hydra_fsdp.__file__), str(config)]
-        env = call.kwargs["env"]
+    for rank, call in zip((1, 2), run.start.call_args_list):
+        command, env, log = call.args
+        assert command == [sys.executable, os.path.abspath(hydra_fsdp.__file__), str(config)]
         assert env["LOCAL_RANK"] == str(rank)
         assert (env["NODE_RANK"], env["WORLD_SIZE"], env["MASTER_ADDR"]) == ("0", "3", "127.0.0.1")
         assert env["PYTHONUNBUFFERED"] == "1" and env["HYDRA_FSDP_CONFIG"] == str(config)
         assert env["PATH"] == os.environ["PATH"]  # the rest of rank 0's environment
         ports.add(env["MASTER_PORT"])
-        assert call.kwargs["cwd"] == os.getcwd()
-        assert call.kwargs["stdin"] == subprocess.DEVNULL
-        assert call.kwargs["stdout"].name == str(job_dir / f"rank_{rank}.log")
-        assert call.kwargs["stderr"] == subprocess.STDOUT
+        assert log == run.job_dir / f"rank_{rank}.log"
     assert len(ports) == 1
-    sleep.assert_any_call(2.5)  # between the two child starts, not before the first
-    assert [c for c in sleep.call_args_list if c.args == (2.5,)] == [mock.call(2.5)]
+    assert [c for c in run.sleep.call_args_list if c.args == (2.5,)] == [mock.call(2.5)]  # between the two
     # the job cleaned up: children killed and reaped, rank 0's environment as it was
-    assert popen.return_value.kill.called
+    assert run.start.return_value.kill.called
     for key in hydra_fsdp._RENDEZVOUS_ENV:
         assert key not in os.environ
     assert hydra_fsdp._running_job is None and not torch.distributed.is_initialized()
 
 
+def test_the_fork_server_is_started_once_clean_of_the_job(tmp_path):
+    run = launch_with_mocked_children(
+        tmp_path, HydraDDP, devices=3, overrides=["+hydra.job.env_set.JOB_ONLY=1"]
+    )
+    (call,) = run.popen.call_args_list  # one server, however many children
+    assert call.args[0] == [sys.executable, os.path.abspath(hydra_fsdp.__file__)]
+    env = call.kwargs["env"]
+    assert json.loads(env["HYDRA_FSDP_FORK_SERVER"]) == {
+        "sys_path": sys.path, "module": "hydra_fsdp", "imports": ["pytorch_lightning", "hydra_zen"]
+    }
+    assert env["PYTORCH_NVML_BASED_CUDA_CHECK"] == "1"  # a CUDA query never initialises CUDA there
+    assert "JOB_ONLY" not in env and env["PATH"] == os.environ["PATH"]  # env_set is the children's own
+    assert all(c.args[1]["JOB_ONLY"] == "1" for c in run.start.call_args_list)
+    assert (call.kwargs["stdin"], call.kwargs["stdout"]) == (subprocess.PIPE, subprocess.PIPE)
+
+
 def test_the_child_gets_the_task_function_and_where_rank0_stands(tmp_path):
-    _, _, job_dir, _ = launch_with_mocked_children(tmp_path, HydraDDP, devices=2)
-    saved = pickle.loads((job_dir / ".hydra" / hydra_fsdp._LAUNCH_FILE).read_bytes())
+    run = launch_with_mocked_children(tmp_path, HydraDDP, devices=2)
+    saved = pickle.loads((run.job_dir / ".hydra" / hydra_fsdp._LAUNCH_FILE).read_bytes())
     assert pickle.loads(saved["task"]) is fit_task
     assert saved["module"] == "hydra_fsdp" and saved["cwd"] == os.getcwd() and saved["sys_path"] == sys.path
-    assert saved["hydra"]["runtime"]["output_dir"] == str(job_dir) and saved["struct"] is True
+    assert saved["hydra"]["runtime"]["output_dir"] == str(run.job_dir) and saved["struct"] is True
 
 
 def test_no_stagger_for_a_single_child(tmp_path):
-    popen, sleep, _, _ = launch_with_mocked_children(tmp_path, HydraDDP, devices=2)
-    assert popen.call_count == 1
-    assert mock.call(1.0) not in sleep.call_args_list
+    run = launch_with_mocked_children(tmp_path, HydraDDP, devices=2)
+    assert run.start.call_count == 1
+    assert mock.call(1.0) not in run.sleep.call_args_list
 
 
 def test_stagger_zero_disables_it(tmp_path):
-    popen, sleep, _, _ = launch_with_mocked_children(tmp_path, HydraDDP, devices=4, env={hydra_fsdp.LAUNCH_DELAY_ENV: "0"})
-    assert popen.call_count == 3
-    assert mock.call(0.0) not in sleep.call_args_list and mock.call(1.0) not in sleep.call_args_list
+    run = launch_with_mocked_children(tmp_path, HydraDDP, devices=4, env={hydra_fsdp.LAUNCH_DELAY_ENV: "0"})
+    assert run.start.call_count == 3
+    assert mock.call(0.0) not in run.sleep.call_args_list and mock.call(1.0) not in run.sleep.call_args_list
 
 
 def test_stagger_default_is_one_second(tmp_path, monkeypatch):
     monkeypatch.delenv(hydra_fsdp.LAUNCH_DELAY_ENV, raising=False)
     assert hydra_fsdp._launch_delay() == 1.0
-    popen, sleep, _, _ = launch_with_mocked_children(tmp_path, HydraDDP, devices=4)
-    assert popen.call_count == 3
-    assert [c for c in sleep.call_args_list if c.args == (1.0,)] == [mock.call(1.0)] * 2
+    run = launch_with_mocked_children(tmp_path, HydraDDP, devices=4)
+    assert run.start.call_count == 3
+    assert [c for c in run.sleep.call_args_list if c.args == (1.0,)] == [mock.call(1.0)] * 2
     monkeypatch.setenv(hydra_fsdp.LAUNCH_DELAY_ENV, "0.25")
     assert hydra_fsdp._launch_delay() == 0.25
 
 
 @pytest.mark.parametrize("value", ["abc", "-1", "nan", "inf", "", "1s"])
 def test_bad_stagger_fails_before_any_start(tmp_path, value):
-    popen, _, _, error = launch_with_mocked_children(tmp_path, HydraDDP, env={hydra_fsdp.LAUNCH_DELAY_ENV: value})
-    assert isinstance(error, RankLaunchError)
-    assert hydra_fsdp.LAUNCH_DELAY_ENV in str(error) and repr(value) in str(error)
-    popen.assert_not_called()
+    run = launch_with_mocked_children(tmp_path, HydraDDP, env={hydra_fsdp.LAUNCH_DELAY_ENV: value})
+    assert isinstance(run.error, RankLaunchError)
+    assert hydra_fsdp.LAUNCH_DELAY_ENV in str(run.error) and repr(value) in str(run.error)
+    run.popen.assert_not_called()
+    run.start.assert_not_called()
     assert hydra_fsdp._running_job is None
 
 
 def test_missing_saved_config_fails_before_any_start(tmp_path):
-    popen, _, _, error = launch_with_mocked_children(tmp_path, HydraFSDP, overrides=["hydra.output_subdir=null"])
-    assert isinstance(error, RankLaunchError)
-    assert "hydra.output_subdir is null" in str(error)
-    popen.assert_not_called()
+    run = launch_with_mocked_children(tmp_path, HydraFSDP, overrides=["hydra.output_subdir=null"])
+    assert isinstance(run.error, RankLaunchError)
+    assert "hydra.output_subdir is null" in str(run.error)
+    run.start.assert_not_called()
 
 
 def test_outside_a_hydra_job_is_a_clear_error():
@@ -213,23 +239,23 @@ def test_a_task_of_an_interactive_session_cannot_reach_a_child(monkeypatch):
 
 
 def test_fallback_is_one_logged_line_and_starts_children(tmp_path, capsys):
-    popen, _, job_dir, error = launch_with_mocked_children(tmp_path, HydraDDP, devices=2, task=lambda cfg: fit_task(cfg))
-    assert isinstance(error, _StopAfterSpawn) and popen.call_count == 1
+    run = launch_with_mocked_children(tmp_path, HydraDDP, devices=2, task=lambda cfg: fit_task(cfg))
+    assert isinstance(run.error, _StopAfterSpawn) and run.start.call_count == 1
     logged = capsys.readouterr().out  # Hydra's job logging writes to the console
     lines = [line for line in logged.splitlines() if "[hydra_fsdp]" in line]
     assert len(lines) == 1 and "[WARNING]" in lines[0] and "build the config's trainer and module" in lines[0]
-    saved = pickle.loads((job_dir / ".hydra" / hydra_fsdp._LAUNCH_FILE).read_bytes())
+    saved = pickle.loads((run.job_dir / ".hydra" / hydra_fsdp._LAUNCH_FILE).read_bytes())
     assert saved["task"] is None and saved["contract"] == {"module_key": "module", "datamodule_key": "datamodule"}
 
 
 def test_fallback_without_the_module_in_the_config_fails_naming_file_and_key(tmp_path):
     config = make_config(trainer=builds(pl.Trainer, accelerator="cpu", devices=2, strategy=builds(HydraDDP)))
-    popen, _, job_dir, error = launch_with_mocked_children(tmp_path, HydraDDP, config=config, task=lambda cfg: fit_task(cfg))
-    assert isinstance(error, RankLaunchError)
-    message = str(error)
-    assert str(job_dir / ".hydra" / "config.yaml") in message and "'module'" in message
+    run = launch_with_mocked_children(tmp_path, HydraDDP, config=config, task=lambda cfg: fit_task(cfg))
+    assert isinstance(run.error, RankLaunchError)
+    message = str(run.error)
+    assert str(run.job_dir / ".hydra" / "config.yaml") in message and "'module'" in message
     assert "module_key='model'" in message and "cannot be pickled by reference" in message
-    popen.assert_not_called()
+    run.start.assert_not_called()
 
 
 # --------------------------------------------------------------------------- torchrun / SLURM
@@ -258,3 +284,4 @@ def test_external_world_size_mismatch_is_a_clear_error():
 def test_escaped_strings_read_back_literally(text):
     config = hydra_fsdp.OmegaConf.create({"value": hydra_fsdp._escaped(text)})
     assert config.value == text
+

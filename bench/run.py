@@ -8,12 +8,13 @@ per repeat between runs made side by side, and the tables give the median and th
 ratios (absolute times only next to them). What it measures:
 
 1. Sweep wall time, N jobs x 2 ranks, a tiny model, 4 steps a job, CPU/gloo:
-   a) HydraDDP (``MUSHIN_DDP_LAUNCH_DELAY=0``): rank 0 starts a fresh child rank for every job;
+   a) HydraDDP (``MUSHIN_DDP_LAUNCH_DELAY=0``), as it comes: a fresh child rank for every job,
+      forked by the sweep's fork server; the fork server's peak memory is sampled meanwhile;
    b) Lightning's own ``strategy="ddp"`` under the same ``-m`` sweep. Its child runs the sweep's
       argv (plus ``hydra.run.dir=...``, which ``-m`` ignores), i.e. the whole sweep, in lockstep
       with rank 0: from job 1 on, ``LOCAL_RANK`` is left in rank 0's environment, so neither side
       launches anything and both reuse job 0's process group. Wrong in general (the child trains
-      its own sweep's config, and a child failure kills the sweep), but warm;
+      its own sweep's config, and a child failure kills the sweep), but never starts a child again;
    c) N runs, one after another, of a plain Hydra-free script with
       ``Trainer(strategy="ddp", accelerator="cpu", devices=2)``.
    The stagger: HydraDDP with ``MUSHIN_DDP_LAUNCH_DELAY`` unset (1 s between two child spawns)
@@ -32,9 +33,9 @@ failure). Progress goes to stderr, the Markdown to stdout.
 
 A variant of HydraDDP needs no code: ``--hydra-ddp-extra OVERRIDE`` (a Hydra override,
 repeatable) and/or ``--hydra-ddp-extra-env KEY=VALUE`` add variant "a+" = (a) plus those, run
-side by side with a, b and c, e.g. warm child ranks::
+side by side with a, b and c, e.g. the strategy's own bound on collectives::
 
-    python bench/run.py --hydra-ddp-extra +trainer.strategy.warm_ranks=true --hydra-ddp-extra-label "HydraDDP warm"
+    python bench/run.py --hydra-ddp-extra "+trainer.strategy.timeout={_target_:datetime.timedelta,seconds:60}"
 
 In code, the variants are declared in ``sweep_variants()``, ``stagger_variants()`` and
 ``memory_variants()``.
@@ -71,6 +72,7 @@ TINY = {"width": 32, "depth": 2, "batch": 8, "steps": 4}
 MEM_WIDTH = 2048
 MEM_BATCH = 8
 MEM_STEPS = 3
+SAMPLE_EVERY = 0.25  # s between two looks at the fork server's memory
 FLOORS = {
     "floor": "import torch, pytorch_lightning",
     "floor_hydra": "import torch, pytorch_lightning, hydra_zen, hydra_fsdp",
@@ -197,7 +199,7 @@ class Runner:
                 for i in range(n)
             ]
         log = rundir / "output.log"
-        wall, exits, error = _execute(cmds, env, rundir, log, timeout=300 + 60 * n * variant.ranks)
+        wall, exits, error, server_peak = _execute(cmds, env, rundir, log, timeout=300 + 60 * n * variant.ranks)
         records = read_records(str(rundir / "records"))
         if error is None:
             error = _check_records(records, n, variant.ranks, model["steps"])
@@ -219,6 +221,7 @@ class Runner:
             "repeat": repeat,
             "model": model,
             "wall": wall,
+            "server_peak_kib": server_peak,
             "error": error,
             "exit_note": exit_note,
             "log": str(log),
@@ -283,7 +286,8 @@ class Runner:
 
 
 def _execute(cmds: list, env: dict, cwd: Path, log_path: Path, timeout: float):
-    """Run the commands one after another; return the wall time, (exit code, log tail) each, an error.
+    """Run the commands one after another; return the wall time, (exit code, log tail) each, an
+    error, and the peak memory of the fork server while they ran ({} if none ran).
 
     A command that exits non-zero does not stop the next one: whether its work was done is for
     the records to say. Only a timeout stops the run.
@@ -291,6 +295,7 @@ def _execute(cmds: list, env: dict, cwd: Path, log_path: Path, timeout: float):
     start = time.perf_counter()
     deadline = time.monotonic() + timeout
     exits = []
+    server_peak: dict = {}
     with open(log_path, "ab") as log:
         for cmd in cmds:
             log.write(("$ " + " ".join(cmd) + "\n").encode())
@@ -301,17 +306,45 @@ def _execute(cmds: list, env: dict, cwd: Path, log_path: Path, timeout: float):
                 cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
             try:
-                code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+                while True:
+                    try:
+                        code = proc.wait(timeout=min(SAMPLE_EVERY, max(0.01, deadline - time.monotonic())))
+                        break
+                    except subprocess.TimeoutExpired:
+                        if time.monotonic() > deadline:
+                            raise
+                    for key, kib in _fork_server_memory(proc.pid).items():
+                        server_peak[key] = max(server_peak.get(key, 0), kib)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-                return time.perf_counter() - start, exits, f"timed out after {timeout:.0f} s and was ended"
+                return time.perf_counter() - start, exits, f"timed out after {timeout:.0f} s and was ended", server_peak
             except BaseException:  # Ctrl-C: the run is in its own session, so end it here
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
                 raise
             exits.append((code, _tail(log_path, 15, offset) if code else ""))
-    return time.perf_counter() - start, exits, None
+    return time.perf_counter() - start, exits, None, server_peak
+
+
+def _fork_server_memory(session: int) -> dict:
+    """The fork server's resident (RSS) and proportional (PSS: shared pages split among the
+    processes that share them) memory now, in KiB: the process of the run's session whose command
+    is ``python .../hydra_fsdp.py`` alone. {} while there is none."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            command = (entry / "cmdline").read_bytes().split(b"\0")[:-1]
+            if int(fields[3]) != session or len(command) != 2 or not command[1].endswith(b"hydra_fsdp.py"):
+                continue
+            rollup = (entry / "smaps_rollup").read_text().splitlines()[1:]
+        except (OSError, ValueError):
+            continue
+        kib = {line.split(":")[0]: int(line.split()[1]) for line in rollup if line.endswith("kB")}
+        return {"server_rss": kib["Rss"], "server_pss": kib["Pss"]}
+    return {}
 
 
 def _describe_exit(code: int) -> str:
@@ -553,6 +586,39 @@ def startup_table(results) -> list:
         "",
     ]
     return out + _table(["process, event", "spawn to event", "/ floor", "/ floor with hydra"], rows)
+
+
+def server_memory_table(results, ns: list) -> list:
+    """The fork server's peak memory while a HydraDDP sweep ran, beside its ranks' own."""
+
+    def mib(values: list) -> str:
+        values = [v for v in values if v]
+        return "n/a" if not values else f"{statistics.median(values) / 1024:.0f} MiB"
+
+    rows = []
+    for n in ns:
+        runs = _ok(results, section="sweep", variant="a", n=n)
+        ends = [rec for r in runs for rec in r["records"] if rec["event"] == "fit_end"]
+        rows.append(
+            [
+                f"{n} x 2",
+                mib([r["server_peak_kib"].get("server_rss") for r in runs]),
+                mib([r["server_peak_kib"].get("server_pss") for r in runs]),
+                mib([rec["vm_hwm"] for rec in ends if rec["local_rank"] >= 1]),
+                mib([rec["vm_hwm"] for rec in ends if rec["local_rank"] == 0]),
+            ]
+        )
+    out = [
+        (
+            "**The fork server's memory** while the HydraDDP sweep runs (sampled every"
+            f" {SAMPLE_EVERY} s; median of the runs' peaks). RSS counts the pages it shares with the"
+            " children it forked; PSS splits each shared page among its sharers, so the server's PSS is"
+            " what it adds."
+        ),
+        "",
+    ]
+    header = ["jobs x ranks", "fork server, peak RSS", "fork server, peak PSS", "a child rank, peak RSS", "rank 0, peak RSS"]
+    return out + _table(header, rows)
 
 
 def _first_job_ages(results) -> dict:
@@ -825,6 +891,7 @@ def main(argv=None) -> int:
     if "sweep" in args.sections:
         out += sweep_tables(results, variants, args.ns) + [""]
         out += startup_table(results) + [""]
+        out += server_memory_table(results, args.ns) + [""]
     if "stagger" in args.sections and "sweep" in args.sections:
         out += stagger_table(results, args.stagger_n, args.stagger4_n) + [""]
     if "memory" in args.sections:

@@ -1,7 +1,14 @@
-"""A datamodule in a module next to the launching script: child ranks import it without PYTHONPATH."""
+"""A datamodule in a module next to the launching script: child ranks import it without PYTHONPATH.
 
-import pytorch_lightning as pl
+The app runs on the Lightning namespace APP_LIGHTNING names (default ``pytorch_lightning``).
+"""
+
+import importlib
+import os
+
 import torch
+
+pl = importlib.import_module(os.environ.get("APP_LIGHTNING", "pytorch_lightning"))
 
 
 class Shapes(pl.LightningDataModule):

@@ -14,16 +14,20 @@ import time
 from pathlib import Path
 
 import hydra
-import pytorch_lightning as pl
+import numpy
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_original_cwd, instantiate
 from hydra_zen import builds, make_config, store
-from shapes import Shapes
+from omegaconf import OmegaConf
+from shapes import Shapes, pl
 
 from hydra_fsdp import HydraDDP, HydraFSDP
 
 STRATEGIES = {"ddp": HydraDDP, "fsdp": HydraFSDP}
+# for a value per job, e.g. +hydra.job.env_set.OMP_NUM_THREADS='${plus:${hydra:job.num},1}'
+OmegaConf.register_new_resolver("plus", lambda a, b: int(a) + int(b), replace=True)
+JOBS_RUN_HERE = 0  # module state: how many jobs this process ran the task function of
 
 
 def job_dir():
@@ -47,6 +51,7 @@ class Tiny(pl.LightningModule):
             json.dumps(
                 {
                     "pid": os.getpid(),
+                    "ppid": os.getppid(),
                     "env": {
                         k: os.environ.get(k) for k in ("LOCAL_RANK", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK")
                     },
@@ -123,6 +128,15 @@ class Tiny(pl.LightningModule):
             weight_sum=float(full_sum),
             datamodule=None if datamodule is None else type(datamodule).__name__,
             master_port=os.environ.get("MASTER_PORT"),
+            # what a fresh process has of its own
+            ppid=os.getppid(),
+            jobs_run_here=JOBS_RUN_HERE,
+            job_tag=os.environ.get("JOB_TAG"),
+            threads=torch.get_num_threads(),
+            numpy_draw=float(numpy.random.rand()),
+            rank_zero_only_rank=pl.utilities.rank_zero_only.rank,
+            strategy_namespace=type(self.trainer.strategy)._lightning.__name__,
+            trainer_namespace=type(self.trainer).__module__.split(".trainer")[0],
         )
         if self.trainer.world_size == 1 or not isinstance(self.trainer.strategy, pl.strategies.FSDPStrategy):
             seen["weight_sum"] = float(local_sum)
@@ -179,6 +193,8 @@ Config = make_config(
 
 
 def task(cfg):
+    global JOBS_RUN_HERE
+    JOBS_RUN_HERE += 1
     extra = [pl.callbacks.EarlyStopping(monitor="val_loss")] if cfg.rank0_callback and local_rank() == 0 else []
     trainer = instantiate(cfg.trainer, callbacks=extra + list(cfg.trainer.callbacks or []))
     module = instantiate(cfg.module)
