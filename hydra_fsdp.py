@@ -29,9 +29,10 @@ With hydra-zen::
 
 or in YAML ``strategy: {_target_: hydra_fsdp.HydraDDP}``, with any task function
 (``@hydra.main``, ``zen(...)``, ``hydra_zen.launch``). Whatever it builds -- callbacks, loggers,
-dataloaders, a second Trainer -- every rank builds the same. ``hydra_fsdp.HydraDDP`` subclasses
-``pytorch_lightning``'s strategy (or ``lightning.pytorch``'s, if it is the only one installed);
-``hydra_fsdp.lightning.*`` and ``hydra_fsdp.pytorch_lightning.*`` name one explicitly.
+dataloaders, a second Trainer -- every rank builds the same. ``hydra_fsdp.HydraDDP()`` builds the
+strategy of the Lightning your program imported (``lightning.pytorch`` or ``pytorch_lightning``:
+a Trainer takes only its own); ``hydra_fsdp.lightning.*`` and ``hydra_fsdp.pytorch_lightning.*``
+name one explicitly.
 
 Arguments beyond Lightning's: ``rank_timeout`` (s, default 600), and ``module_key`` /
 ``datamodule_key`` for the fallback below. ``MUSHIN_DDP_LAUNCH_DELAY`` (seconds, default 1, ``0``
@@ -104,12 +105,12 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-__all__ = ["HydraDDP", "HydraFSDP", "RankLaunchError", "ChildRankError"]  # noqa: F822 - built on first use
+__all__ = ["HydraDDP", "HydraFSDP", "RankLaunchError", "ChildRankError"]
 
 log = logging.getLogger(__name__)
 
-# The Lightning namespaces, by the name a user reaches them under: ``hydra_fsdp.HydraDDP`` is
-# built on the first one installed, ``hydra_fsdp.lightning.HydraDDP`` on ``lightning.pytorch``.
+# The Lightning namespaces, by the name a user reaches them under: ``hydra_fsdp.lightning.HydraDDP``
+# is built on ``lightning.pytorch``; ``hydra_fsdp.HydraDDP`` on the one the program uses.
 _NAMESPACES = {"pytorch_lightning": "pytorch_lightning", "lightning": "lightning.pytorch"}
 _PIP_NAMES = {"pytorch_lightning": "pytorch-lightning", "lightning": "lightning"}
 
@@ -1127,6 +1128,14 @@ class _HydraStrategy:
     def _configure_launcher(self) -> None:
         self._launcher = _HydraRankLauncher(self)
 
+    def __repr__(self) -> str:
+        # A Trainer of the other namespace refuses the strategy naming it by its repr: say which it is.
+        spellings = " or ".join(
+            f"{__name__}.{namespace}.{type(self).__name__} for a {package}.Trainer"
+            for namespace, package in _NAMESPACES.items()
+        )
+        return f"<{__name__}.{type(self).__qualname__}: use {spellings}>"
+
     def setup_environment(self) -> None:
         super().setup_environment()
         atexit.unregister(_end_process_groups_at_exit)  # once, however many stages register it
@@ -1253,10 +1262,9 @@ def _strategies_for(namespace: str) -> types.SimpleNamespace:
             f"hydra_fsdp.{namespace} needs the {_PIP_NAMES[namespace]} package, which is not installed:"
             f" pip install {_PIP_NAMES[namespace]}."
         ) from error
-    where = "" if namespace == _default_namespace() else f"{namespace}."
 
     def build(name: str, mixin: type, base: type) -> type:
-        attributes = {"__module__": __name__, "__qualname__": where + name, "__doc__": mixin.__doc__}
+        attributes = {"__module__": __name__, "__qualname__": f"{namespace}.{name}", "__doc__": mixin.__doc__}
         return type(name, (mixin, base), dict(attributes, _lightning=lightning))
 
     return types.SimpleNamespace(
@@ -1265,8 +1273,15 @@ def _strategies_for(namespace: str) -> types.SimpleNamespace:
     )
 
 
-@functools.lru_cache(maxsize=None)
-def _default_namespace() -> str:
+def _namespace_in_use() -> str:
+    """The Lightning namespace the program imported, which its Trainer comes from.
+
+    Hydra imports a Trainer's class before it builds the strategy nested in its config; where
+    both namespaces are imported, or neither yet, it cannot be told: then the first installed.
+    """
+    imported = [namespace for namespace, package in _NAMESPACES.items() if package in sys.modules]
+    if len(imported) == 1:
+        return imported[0]
     for namespace, package in _NAMESPACES.items():
         if importlib.util.find_spec(package.split(".")[0]) is not None:
             return namespace
@@ -1276,12 +1291,36 @@ def _default_namespace() -> str:
     )
 
 
+class _OfTheLightningInUse(type):
+    """``hydra_fsdp.HydraDDP(...)`` builds ``hydra_fsdp.<namespace>.HydraDDP(...)`` of the Lightning
+    in use, and any namespace's one is an instance of it."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        return getattr(_strategies_for(_namespace_in_use()), cls.__name__)(*args, **kwargs)
+
+    def __instancecheck__(cls, instance: Any) -> bool:
+        return any(
+            isinstance(instance, getattr(_strategies_for(namespace), cls.__name__))
+            for namespace, package in _NAMESPACES.items()
+            if package in sys.modules  # a strategy of a namespace not imported cannot exist
+        )
+
+
+class HydraDDP(metaclass=_OfTheLightningInUse):
+    """Lightning's ``DDPStrategy`` (of the Lightning your program imported), every child rank
+    running the Hydra job's own task function. See ``_HydraDDP`` for its arguments."""
+
+
+class HydraFSDP(metaclass=_OfTheLightningInUse):
+    """Lightning's ``FSDPStrategy`` (of the Lightning your program imported), started like
+    HydraDDP. See ``_HydraFSDP`` for its arguments."""
+
+
 def __getattr__(name: str) -> Any:
-    """Build the strategies on first use: importing hydra_fsdp imports no Lightning."""
+    """``hydra_fsdp.lightning`` and ``hydra_fsdp.pytorch_lightning``, built on first use:
+    importing hydra_fsdp imports no Lightning."""
     if name in _NAMESPACES:
         return _strategies_for(name)
-    if name in ("HydraDDP", "HydraFSDP"):
-        return getattr(_strategies_for(_default_namespace()), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -285,3 +285,41 @@ def test_escaped_strings_read_back_literally(text):
     config = hydra_fsdp.OmegaConf.create({"value": hydra_fsdp._escaped(text)})
     assert config.value == text
 
+
+# --------------------------------------------------------------------------- whichever Lightning
+
+
+def python(code):
+    """Run ``code`` in a fresh interpreter, where nothing else decides what is imported."""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.split()
+
+
+@pytest.mark.parametrize("lightning, namespace", [("lightning.pytorch", "lightning"), ("pytorch_lightning", "pytorch_lightning")])
+def test_plain_names_build_the_strategy_of_the_lightning_in_use(lightning, namespace):
+    out = python(f"""
+import pickle, sys, {lightning} as L, hydra_fsdp
+for name in ("HydraDDP", "HydraFSDP"):
+    strategy = getattr(hydra_fsdp, name)(rank_timeout=5)
+    L.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)  # its Trainer takes it
+    copy = pickle.loads(pickle.dumps(strategy))
+    print(type(strategy).__qualname__, isinstance(strategy, getattr(hydra_fsdp, name)),
+          type(copy) is type(strategy), copy.rank_timeout)
+print(isinstance(hydra_fsdp.HydraFSDP(), hydra_fsdp.HydraDDP), sorted(m for m in ("lightning", "pytorch_lightning") if m in sys.modules))
+""")
+    assert out == [f"{namespace}.HydraDDP", "True", "True", "5",
+                   f"{namespace}.HydraFSDP", "True", "True", "5",
+                   "False", f"['{lightning.split('.')[0]}']"]  # fmt: skip
+
+
+def test_with_both_lightnings_imported_the_mismatch_error_names_both_spellings():
+    out = " ".join(python("""
+import pytorch_lightning, lightning.pytorch as L, hydra_fsdp
+try:
+    L.Trainer(strategy=hydra_fsdp.HydraDDP(), accelerator="cpu", devices=2)
+except Exception as error:
+    print(error)
+"""))
+    assert "hydra_fsdp.lightning.HydraDDP for a lightning.pytorch.Trainer" in out, out
+    assert "hydra_fsdp.pytorch_lightning.HydraDDP for a pytorch_lightning.Trainer" in out, out

@@ -1,7 +1,9 @@
-"""Both Lightning namespaces, a plain-YAML app in the lightning-hydra-template shape, and logs.
+"""Both Lightning namespaces with the plain names, a plain-YAML app, and logs.
 
-"Installed alone" is checked by hiding the other package from every process of the sweep, child
-ranks included (a ``sitecustomize`` that makes its import fail, as a missing package's does).
+``hydra_fsdp.HydraDDP`` (in YAML and hydra-zen alike) must give each Trainer a strategy of the
+Trainer's own namespace, with both packages installed and with either one alone. "Installed
+alone" is checked by hiding the other package from every process of the sweep, child ranks and
+fork server included (a ``sitecustomize`` that makes its import fail, as a missing package's does).
 """
 
 import os
@@ -37,31 +39,52 @@ def run_yaml(proj, *overrides, env=None, timeout=SWEEP_TIMEOUT):
     return run(command, proj, app_env(env=env), timeout)
 
 
-def assert_yaml_job(job_dir, strategy, stages=("fit", "test")):
+def assert_yaml_job(job_dir, strategy, stages=("fit", "test"), lightning="lightning.pytorch"):
     for stage in stages:
         seen = records(job_dir, stage)
         assert sorted(seen) == [0, 1], f"{stage}: ranks {sorted(seen)}"
         for rank in seen.values():
             assert rank["world"] == 2 and rank["output_dir"] == str(job_dir)
             assert rank["strategy"] == strategy
-            assert rank["trainer"] == "lightning.pytorch.trainer.trainer"
+            assert rank["trainer"] == f"{lightning}.trainer.trainer"
             assert rank["datamodule"] == "ShapesData"
         assert seen[0]["lr"] == seen[1]["lr"] and seen[0]["pid"] != seen[1]["pid"]
-    if "test" in stages:
+    if "test" in stages and strategy.endswith("DDP"):  # FSDP ranks hold a shard each
         tested = records(job_dir, "test")
         assert tested[0]["weight_sum"] == tested[1]["weight_sum"]
 
 
-def test_yaml_app_with_model_and_data_groups_on_lightning_namespace(yaml_app):
-    ok(run_yaml(yaml_app, "model.lr=0.1,0.2"))
+# Which packages each run leaves importable: both, or the Trainer's own alone.
+INSTALLED = {"both installed": (), "alone": None}
+
+
+@pytest.mark.parametrize("installed", INSTALLED)
+@pytest.mark.parametrize("strategy", ["HydraDDP", "HydraFSDP"])
+def test_yaml_plain_names_on_lightning_pytorch(yaml_app, tmp_path, installed, strategy):
+    env = hide(tmp_path, PYTORCH_LIGHTNING) if installed == "alone" else {}
+    ok(run_yaml(yaml_app, "model.lr=0.1,0.2", f"trainer.strategy._target_=hydra_fsdp.{strategy}", env=env))
     for job, lr in ((0, 0.1), (1, 0.2)):
-        assert_yaml_job(yaml_app / "sweep" / str(job), "hydra_fsdp.lightning.HydraDDP")
+        assert_yaml_job(yaml_app / "sweep" / str(job), f"hydra_fsdp.lightning.{strategy}")
         assert records(yaml_app / "sweep" / str(job))[1]["lr"] == lr
 
 
-def test_yaml_app_with_hydra_fsdp_on_lightning_namespace(yaml_app):
-    ok(run_yaml(yaml_app, "trainer.strategy._target_=hydra_fsdp.lightning.HydraFSDP", "test=false"))
-    assert_yaml_job(yaml_app / "sweep" / "0", "hydra_fsdp.lightning.HydraFSDP", stages=("fit",))
+@pytest.mark.parametrize("installed", INSTALLED)
+def test_yaml_plain_names_on_pytorch_lightning(yaml_app, tmp_path, installed):
+    env = {"APP_LIGHTNING": "pytorch_lightning", **(hide(tmp_path, LIGHTNING) if installed == "alone" else {})}
+    ok(run_yaml(yaml_app, "trainer._target_=pytorch_lightning.Trainer", "test=false", env=env))
+    job = yaml_app / "sweep" / "0"
+    assert_yaml_job(job, "hydra_fsdp.pytorch_lightning.HydraDDP", stages=("fit",), lightning="pytorch_lightning")
+
+
+@pytest.mark.parametrize("installed", INSTALLED)
+@pytest.mark.parametrize("lightning", ["lightning.pytorch", "pytorch_lightning"])
+def test_hydra_zen_plain_names_on_either_namespace(app, tmp_path, installed, lightning):
+    other = PYTORCH_LIGHTNING if lightning == "lightning.pytorch" else LIGHTNING
+    env = {"APP_LIGHTNING": lightning, **(hide(tmp_path, other) if installed == "alone" else {})}
+    ok(run_app(app, "hydra.sweep.dir=sweep", "module.lr=0.1", env=env))  # builds(HydraDDP)
+    seen = assert_ranks_agree(app / "sweep" / "0")
+    for rank in seen.values():
+        assert rank["strategy_namespace"] == rank["trainer_namespace"] == lightning
 
 
 def test_child_logs_go_to_their_own_file_not_the_console(yaml_app):
@@ -80,25 +103,9 @@ def test_child_logs_go_to_their_own_file_not_the_console(yaml_app):
         assert sorted(p.name for p in job_dir.glob("*.log")) == ["rank_1.log", "train.log"]
 
 
-def test_pytorch_lightning_installed_alone(app, tmp_path):
-    ok(run_app(app, "hydra.sweep.dir=sweep", "module.lr=0.1", env=hide(tmp_path, LIGHTNING)))
-    seen = assert_ranks_agree(app / "sweep" / "0")
-    assert seen[1]["strategy"] == "hydra_fsdp.HydraDDP"
-
-
-def test_lightning_installed_alone(yaml_app, tmp_path):
-    # hydra_fsdp.HydraDDP is built on the only namespace there is
-    ok(
-        run_yaml(
-            yaml_app, "trainer.strategy._target_=hydra_fsdp.HydraDDP", env=hide(tmp_path, PYTORCH_LIGHTNING)
-        )
-    )
-    assert_yaml_job(yaml_app / "sweep" / "0", "hydra_fsdp.HydraDDP")
-
-
 def test_no_lightning_installed_is_a_clear_error(tmp_path):
     env = {**os.environ, **hide(tmp_path, PYTORCH_LIGHTNING + LIGHTNING)}
-    code = "import hydra_fsdp\ntry:\n    hydra_fsdp.HydraDDP\nexcept ImportError as e:\n    print(e)"
+    code = "import hydra_fsdp\ntry:\n    hydra_fsdp.HydraDDP()\nexcept ImportError as e:\n    print(e)"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert "neither pytorch-lightning nor lightning is installed" in out.stdout, out.stderr
     assert "pip install pytorch-lightning" in out.stdout

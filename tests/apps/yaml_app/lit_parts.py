@@ -1,14 +1,17 @@
-"""The model and data of the YAML app, on the unified ``lightning`` package's namespace."""
+"""The model and data of the YAML app, on the Lightning namespace APP_LIGHTNING names (default
+``lightning.pytorch``: the unified package's, as lightning-hydra-template's)."""
 
+import importlib
 import json
 import logging
 import os
 import warnings
 from pathlib import Path
 
-import lightning.pytorch as L
 import torch
 from hydra.core.hydra_config import HydraConfig
+
+L = importlib.import_module(os.environ.get("APP_LIGHTNING", "lightning.pytorch"))
 
 log = logging.getLogger(__name__)
 

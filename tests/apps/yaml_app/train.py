@@ -1,8 +1,8 @@
-"""A plain-YAML Hydra app in the lightning-hydra-template shape: config groups trainer, model, data.
+"""A plain-YAML Hydra app: config groups trainer, model, data, and the strategy named in YAML.
 
-The LightningModule lives under ``model`` and the datamodule under ``data``, so the strategy is
-told where they are: ``strategy: {_target_: hydra_fsdp.lightning.HydraDDP, module_key: model,
-datamodule_key: data}`` in configs/trainer/default.yaml.
+``strategy: {_target_: hydra_fsdp.HydraDDP}`` in configs/trainer/default.yaml: the plain name,
+whichever Lightning the program uses (``lightning.pytorch`` here, ``pytorch_lightning`` with
+``trainer._target_=pytorch_lightning.Trainer`` and APP_LIGHTNING=pytorch_lightning).
 """
 
 import hydra
