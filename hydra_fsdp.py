@@ -412,7 +412,10 @@ class _ForkServer:
         imports = [lightning] + [name for name in ("hydra_zen",) if name in sys.modules]
         env[_SERVER_ENV] = json.dumps({"sys_path": sys.path, "module": __name__, "imports": imports})
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+            [sys.executable, os.path.abspath(__file__)],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
         )
         self.unread = b""
         self.started: list[int] = []
@@ -494,7 +497,9 @@ class _ForkedChild:
             if deadline is not None and time.monotonic() >= deadline:
                 raise subprocess.TimeoutExpired(f"child rank pid {self.pid}", timeout)
             try:  # wakes as soon as the server says anything
-                self.server.read(timeout=_POLL_INTERVAL if deadline is None else max(0.0, deadline - time.monotonic()))
+                self.server.read(
+                    timeout=_POLL_INTERVAL if deadline is None else max(0.0, deadline - time.monotonic())
+                )
             except EOFError:
                 self.server.exit_codes.setdefault(self.pid, -signal.SIGKILL)
         return self.returncode
@@ -553,7 +558,10 @@ def _run_forked(request: dict, lightning: str, replies: int) -> None:
     try:
         os.close(replies)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)):
+        for fd, path, flags in (
+            (0, os.devnull, os.O_RDONLY),
+            (1, request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND),
+        ):
             opened = os.open(path, flags, 0o666)
             os.dup2(opened, fd)
             os.close(opened)
@@ -594,7 +602,13 @@ class _Shape(NamedTuple):
     @classmethod
     def of(cls, strategy: "_HydraStrategy") -> "_Shape":
         env = strategy.cluster_environment
-        return cls(strategy.world_size, env.main_address, strategy._lightning.__name__, strategy.rank_timeout, **strategy._config_keys)
+        return cls(
+            strategy.world_size,
+            env.main_address,
+            strategy._lightning.__name__,
+            strategy.rank_timeout,
+            **strategy._config_keys,
+        )
 
 
 class _Job:
@@ -649,7 +663,9 @@ class _Job:
         """Before rank 0 runs a stage: children alive, going, told the stage (fallback), checked in."""
         self.raise_if_any_failed()
         if not self.runs_task:
-            self.store.set(_STAGE_KEY.format(self.stages_announced), json.dumps(_stage_for_children(trainer, call)))
+            self.store.set(
+                _STAGE_KEY.format(self.stages_announced), json.dumps(_stage_for_children(trainer, call))
+            )
             self.stages_announced += 1
         if not self.going:
             self.store.set(_GO_KEY, "1")
@@ -987,7 +1003,11 @@ class _HydraRankLauncher:
                 " only. Across nodes, let torchrun or SLURM start every rank."
             )
         hydra_job = _hydra_job() or {}
-        job = _running_job if _running_job is not None and _running_job.job_return is hydra_job.get("ret") else None
+        job = (
+            _running_job
+            if _running_job is not None and _running_job.job_return is hydra_job.get("ret")
+            else None
+        )
         shape = _Shape.of(strategy)
         if job is not None and job.shape != shape and job.going:
             raise RankLaunchError(
@@ -1041,11 +1061,19 @@ def _check_ranks_agree(strategy: "_HydraStrategy") -> None:
     mine = _flat(_what_this_rank_runs(strategy))
     everyone: list = [None] * strategy.world_size
     torch.distributed.all_gather_object(everyone, mine)
-    differing = sorted({key for theirs in everyone for key in mine.keys() | theirs.keys() if mine.get(key) != theirs.get(key)})
+    differing = sorted(
+        {
+            key
+            for theirs in everyone
+            for key in mine.keys() | theirs.keys()
+            if mine.get(key) != theirs.get(key)
+        }
+    )
     if not differing:
         return
     shown = [
-        f"  {key}: " + ", ".join(f"rank {rank} {_shown(ran.get(key, '<missing>'))}" for rank, ran in enumerate(everyone))
+        f"  {key}: "
+        + ", ".join(f"rank {rank} {_shown(ran.get(key, '<missing>'))}" for rank, ran in enumerate(everyone))
         for key in differing[:_DIFFERENCES_SHOWN]
     ]
     more = len(differing) - _DIFFERENCES_SHOWN
@@ -1066,7 +1094,9 @@ def _what_this_rank_runs(strategy: "_HydraStrategy") -> dict:
     trainer = module.trainer
     # an FSDP module that ran a stage holds its shard: shapes and sizes differ by rank, by design
     full = strategy._holds_full_parameters()
-    shapes = [(name, tuple(p.shape) if full else "sharded", str(p.dtype)) for name, p in module.named_parameters()]
+    shapes = [
+        (name, tuple(p.shape) if full else "sharded", str(p.dtype)) for name, p in module.named_parameters()
+    ]
     hydra_job = _hydra_job()
     return {
         "stage": trainer.state.fn.value,
@@ -1076,14 +1106,19 @@ def _what_this_rank_runs(strategy: "_HydraStrategy") -> dict:
             name: getattr(trainer, name)
             for name in ("max_epochs", "max_steps", "accumulate_grad_batches", "precision")
         },
-        **{f"limit_{loop}_batches": getattr(trainer, f"limit_{loop}_batches") for loop in ("train", "val", "test", "predict")},
+        **{
+            f"limit_{loop}_batches": getattr(trainer, f"limit_{loop}_batches")
+            for loop in ("train", "val", "test", "predict")
+        },
         "module": type(module).__qualname__,
         "module parameters": f"{len(shapes)} tensors"
         + (f" of {sum(p.numel() for p in module.parameters())} values" if full else " (sharded)")
         + f", shapes #{hashlib.sha1(repr(shapes).encode()).hexdigest()[:8]}",
         "datamodule": None if trainer.datamodule is None else type(trainer.datamodule).__qualname__,
         "ckpt_path": None if strategy._stage_ckpt_path is None else str(strategy._stage_ckpt_path),
-        "hydra.runtime.output_dir": HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else None,
+        "hydra.runtime.output_dir": HydraConfig.get().runtime.output_dir
+        if HydraConfig.initialized()
+        else None,
         "config": None if hydra_job is None else _resolved_where_possible(hydra_job["task_cfg"]),
     }
 
@@ -1382,7 +1417,10 @@ def _run_config_contract(task_cfg: DictConfig, module_key: str, datamodule_key: 
 def _child_store() -> torch.distributed.TCPStore:
     """A client of rank 0's store, where a child checks in and the fallback reads its stages."""
     return torch.distributed.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=_CHILD_STORE_TIMEOUT
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=_CHILD_STORE_TIMEOUT,
     )
 
 

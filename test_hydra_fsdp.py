@@ -46,7 +46,9 @@ def fit_task(cfg):
     instantiate(cfg.trainer).fit(FitModule())
 
 
-def launch_with_mocked_children(tmp_path, strategy, devices=3, env=None, config=None, task=fit_task, overrides=()):
+def launch_with_mocked_children(
+    tmp_path, strategy, devices=3, env=None, config=None, task=fit_task, overrides=()
+):
     """Run one Hydra job (in this process) whose fit() starts children into a mocked Popen.
 
     Returns (mocked Popen, mocked sleep, job dir, the job's error). The children never check in:
@@ -54,7 +56,9 @@ def launch_with_mocked_children(tmp_path, strategy, devices=3, env=None, config=
     """
     if config is None:
         config = make_config(
-            trainer=builds(pl.Trainer, accelerator="cpu", devices=devices, strategy=builds(strategy), logger=False),
+            trainer=builds(
+                pl.Trainer, accelerator="cpu", devices=devices, strategy=builds(strategy), logger=False
+            ),
             module=builds(torch.nn.Linear, 2, 2),
         )
     with (
@@ -68,7 +72,9 @@ def launch_with_mocked_children(tmp_path, strategy, devices=3, env=None, config=
         start.return_value.poll.return_value = None  # and so does every child it starts
         start.return_value.pid = 4242
         try:
-            launch(config, task, overrides=[f"hydra.run.dir={tmp_path / 'job'}", *overrides], version_base="1.3")
+            launch(
+                config, task, overrides=[f"hydra.run.dir={tmp_path / 'job'}", *overrides], version_base="1.3"
+            )
             error = None
         except BaseException as e:  # noqa: BLE001 - the job's error is what we test
             error = e
@@ -118,7 +124,9 @@ def test_the_fork_server_is_started_once_clean_of_the_job(tmp_path):
     assert call.args[0] == [sys.executable, os.path.abspath(hydra_fsdp.__file__)]
     env = call.kwargs["env"]
     assert json.loads(env["HYDRA_FSDP_FORK_SERVER"]) == {
-        "sys_path": sys.path, "module": "hydra_fsdp", "imports": ["pytorch_lightning", "hydra_zen"]
+        "sys_path": sys.path,
+        "module": "hydra_fsdp",
+        "imports": ["pytorch_lightning", "hydra_zen"],
     }
     assert env["PYTORCH_NVML_BASED_CUDA_CHECK"] == "1"  # a CUDA query never initialises CUDA there
     assert "JOB_ONLY" not in env and env["PATH"] == os.environ["PATH"]  # env_set is the children's own
@@ -175,7 +183,10 @@ def test_missing_saved_config_fails_before_any_start(tmp_path):
 
 def test_outside_a_hydra_job_is_a_clear_error():
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=HydraDDP(), logger=False)
-    with mock.patch.object(hydra_fsdp.subprocess, "Popen") as popen, pytest.raises(RankLaunchError, match="no Hydra job"):
+    with (
+        mock.patch.object(hydra_fsdp.subprocess, "Popen") as popen,
+        pytest.raises(RankLaunchError, match="no Hydra job"),
+    ):
         trainer.fit(FitModule())
     popen.assert_not_called()
 
@@ -245,7 +256,10 @@ def test_fallback_is_one_logged_line_and_starts_children(tmp_path, capsys):
     lines = [line for line in logged.splitlines() if "[hydra_fsdp]" in line]
     assert len(lines) == 1 and "[WARNING]" in lines[0] and "build the config's trainer and module" in lines[0]
     saved = pickle.loads((run.job_dir / ".hydra" / hydra_fsdp._LAUNCH_FILE).read_bytes())
-    assert saved["task"] is None and saved["contract"] == {"module_key": "module", "datamodule_key": "datamodule"}
+    assert saved["task"] is None and saved["contract"] == {
+        "module_key": "module",
+        "datamodule_key": "datamodule",
+    }
 
 
 def test_fallback_without_the_module_in_the_config_fails_naming_file_and_key(tmp_path):
@@ -296,7 +310,9 @@ def python(code):
     return proc.stdout.split()
 
 
-@pytest.mark.parametrize("lightning, namespace", [("lightning.pytorch", "lightning"), ("pytorch_lightning", "pytorch_lightning")])
+@pytest.mark.parametrize(
+    "lightning, namespace", [("lightning.pytorch", "lightning"), ("pytorch_lightning", "pytorch_lightning")]
+)
 def test_plain_names_build_the_strategy_of_the_lightning_in_use(lightning, namespace):
     out = python(f"""
 import pickle, sys, {lightning} as L, hydra_fsdp
@@ -314,12 +330,14 @@ print(isinstance(hydra_fsdp.HydraFSDP(), hydra_fsdp.HydraDDP), sorted(m for m in
 
 
 def test_with_both_lightnings_imported_the_mismatch_error_names_both_spellings():
-    out = " ".join(python("""
+    out = " ".join(
+        python("""
 import pytorch_lightning, lightning.pytorch as L, hydra_fsdp
 try:
     L.Trainer(strategy=hydra_fsdp.HydraDDP(), accelerator="cpu", devices=2)
 except Exception as error:
     print(error)
-"""))
+""")
+    )
     assert "hydra_fsdp.lightning.HydraDDP for a lightning.pytorch.Trainer" in out, out
     assert "hydra_fsdp.pytorch_lightning.HydraDDP for a pytorch_lightning.Trainer" in out, out

@@ -199,7 +199,9 @@ class Runner:
                 for i in range(n)
             ]
         log = rundir / "output.log"
-        wall, exits, error, server_peak = _execute(cmds, env, rundir, log, timeout=300 + 60 * n * variant.ranks)
+        wall, exits, error, server_peak = _execute(
+            cmds, env, rundir, log, timeout=300 + 60 * n * variant.ranks
+        )
         records = read_records(str(rundir / "records"))
         if error is None:
             error = _check_records(records, n, variant.ranks, model["steps"])
@@ -318,7 +320,12 @@ def _execute(cmds: list, env: dict, cwd: Path, log_path: Path, timeout: float):
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-                return time.perf_counter() - start, exits, f"timed out after {timeout:.0f} s and was ended", server_peak
+                return (
+                    time.perf_counter() - start,
+                    exits,
+                    f"timed out after {timeout:.0f} s and was ended",
+                    server_peak,
+                )
             except BaseException:  # Ctrl-C: the run is in its own session, so end it here
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
@@ -617,7 +624,13 @@ def server_memory_table(results, ns: list) -> list:
         ),
         "",
     ]
-    header = ["jobs x ranks", "fork server, peak RSS", "fork server, peak PSS", "a child rank, peak RSS", "rank 0, peak RSS"]
+    header = [
+        "jobs x ranks",
+        "fork server, peak RSS",
+        "fork server, peak PSS",
+        "a child rank, peak RSS",
+        "rank 0, peak RSS",
+    ]
     return out + _table(header, rows)
 
 

@@ -69,7 +69,9 @@ def run_once(strategy, commands, timeout):
     outputs = [tempfile.TemporaryFile() for _ in commands]
     started = time.monotonic()
     procs = [
-        subprocess.Popen(command, cwd=directory, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        subprocess.Popen(
+            command, cwd=directory, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
         for command, out in zip(commands, outputs)
     ]
     try:
@@ -92,7 +94,9 @@ def run_once(strategy, commands, timeout):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--timeout", type=float, default=240)
@@ -113,7 +117,9 @@ def main():
     for name, rows in results.items():
         failed = sum(1 for codes, _, _ in rows if any(codes))
         aborts = sum(1 for _, aborted, _ in rows if aborted)
-        print(f"| {name} | {len(rows)} | {failed} | {aborts} | {statistics.median(s for *_, s in rows):.1f} |")
+        print(
+            f"| {name} | {len(rows)} | {failed} | {aborts} | {statistics.median(s for *_, s in rows):.1f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -113,7 +113,9 @@ def sweep_in(app_dir, *overrides, **kwargs):
 
 def start_sweep(app_dir, *overrides, env=None):
     """Start a sweep and return its Run: a session of its own, what a terminal's Ctrl-C reaches."""
-    return Run([sys.executable, "app.py", "-m", "hydra.sweep.dir=sweep", *overrides], app_dir, app_env(env=env))
+    return Run(
+        [sys.executable, "app.py", "-m", "hydra.sweep.dir=sweep", *overrides], app_dir, app_env(env=env)
+    )
 
 
 def records(job_dir, stage="fit"):

@@ -70,10 +70,15 @@ def test_yaml_plain_names_on_lightning_pytorch(yaml_app, tmp_path, installed, st
 
 @pytest.mark.parametrize("installed", INSTALLED)
 def test_yaml_plain_names_on_pytorch_lightning(yaml_app, tmp_path, installed):
-    env = {"APP_LIGHTNING": "pytorch_lightning", **(hide(tmp_path, LIGHTNING) if installed == "alone" else {})}
+    env = {
+        "APP_LIGHTNING": "pytorch_lightning",
+        **(hide(tmp_path, LIGHTNING) if installed == "alone" else {}),
+    }
     ok(run_yaml(yaml_app, "trainer._target_=pytorch_lightning.Trainer", "test=false", env=env))
     job = yaml_app / "sweep" / "0"
-    assert_yaml_job(job, "hydra_fsdp.pytorch_lightning.HydraDDP", stages=("fit",), lightning="pytorch_lightning")
+    assert_yaml_job(
+        job, "hydra_fsdp.pytorch_lightning.HydraDDP", stages=("fit",), lightning="pytorch_lightning"
+    )
 
 
 @pytest.mark.parametrize("installed", INSTALLED)

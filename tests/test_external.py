@@ -40,7 +40,10 @@ def torchrun(app_dir, *overrides, nnodes=1, nproc=2, strategy="ddp", timeout=SWE
         for agent in agents:
             agent.wait(timeout=max(1.0, started + timeout - time.monotonic()))
     except AssertionError as timed_out:
-        raise AssertionError(f"{timed_out}\n" + "\n".join(f"--- agent {n} ---\n{a.text()[-4000:]}" for n, a in enumerate(agents))) from None
+        raise AssertionError(
+            f"{timed_out}\n"
+            + "\n".join(f"--- agent {n} ---\n{a.text()[-4000:]}" for n, a in enumerate(agents))
+        ) from None
     finally:
         for agent in agents:
             agent.end()

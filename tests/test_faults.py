@@ -105,7 +105,9 @@ def stop(sweep, how):
         sweep.proc.send_signal(signal.SIGTERM if how.startswith("SIGTERM") else signal.SIGKILL)
 
 
-@pytest.mark.parametrize("how", ["SIGTERM to the sweep alone", "SIGINT to its process group", "SIGKILL to the sweep"])
+@pytest.mark.parametrize(
+    "how", ["SIGTERM to the sweep alone", "SIGINT to its process group", "SIGKILL to the sweep"]
+)
 @pytest.mark.parametrize("while_", ["training", "blocked on a hung child"])
 def test_stopping_the_sweep_ends_every_rank(app, how, while_):
     if while_ == "training":
@@ -126,7 +128,9 @@ def test_stopping_the_sweep_ends_every_rank(app, how, while_):
     pids = started_pids(job)
     wait_for(lambda: not any(alive(pid) for pid in pids.values()), 10, f"every rank of job 0 {pids} to end")
     assert not (app / "sweep" / "1").exists(), "a stopped sweep must not start its next job"
-    print(f"{how}, {while_}: the sweep exited {sweep.returncode} {took:.1f} s after the signal, rank 1 with it")
+    print(
+        f"{how}, {while_}: the sweep exited {sweep.returncode} {took:.1f} s after the signal, rank 1 with it"
+    )
 
 
 # --------------------------------------------------------------------------- soak

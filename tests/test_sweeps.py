@@ -80,10 +80,17 @@ def test_dataloaders_passed_straight_to_the_stages(app):
 
 
 def test_a_closure_task_function_falls_back_to_the_config_contract(app):
-    proc = ok(sweep_in(app, "module.lr=0.1,0.2", "stages=[fit,test]", "use_datamodule=true", env={"APP_CLOSURE": "1"}))
+    proc = ok(
+        sweep_in(
+            app, "module.lr=0.1,0.2", "stages=[fit,test]", "use_datamodule=true", env={"APP_CLOSURE": "1"}
+        )
+    )
     reason = [line for line in proc.text().splitlines() if "[hydra_fsdp][WARNING]" in line]
     assert len(reason) == 2, reason  # one line a job
-    assert "child ranks build the config's trainer and module, because the task function cannot be pickled" in reason[0]
+    assert (
+        "child ranks build the config's trainer and module, because the task function cannot be pickled"
+        in reason[0]
+    )
     for job, lr in (("0", 0.1), ("1", 0.2)):
         for stage in ("fit", "test"):
             seen = assert_ranks_agree(app / "sweep" / job, stage)
@@ -96,7 +103,10 @@ def test_ranks_about_to_run_different_things_fail_their_job_fast(app, strategy):
     # job 0: rank 0 alone builds an EarlyStopping callback, which would deadlock the ranks
     proc = sweep_in(app, "rank0_callback=true,false", strategy=strategy, timeout=120)
     assert proc.returncode != 0
-    assert "RankLaunchError: The ranks of this job are about to run different things in trainer.fit()" in proc.text()
+    assert (
+        "RankLaunchError: The ranks of this job are about to run different things in trainer.fit()"
+        in proc.text()
+    )
     assert "callbacks: rank 0 [EarlyStopping], rank 1 []" in proc.text()
     assert not records(app / "sweep" / "0")
     assert_ranks_agree(app / "sweep" / "1")  # the sweep went on
@@ -143,12 +153,17 @@ def test_fsdp_checkpoint_saves_and_loads_on_cpu(app):
 @pytest.mark.parametrize("ckpt", ["none", "best"])
 def test_fit_then_test_the_same_module(app, strategy, ckpt):
     # Lightning's own FSDPStrategy wraps the sharded module again here and fails (its issue #19015)
-    extra = ["trainer.enable_checkpointing=true", "trainer.callbacks=[${keep_last}]"] if ckpt == "best" else []
+    extra = (
+        ["trainer.enable_checkpointing=true", "trainer.callbacks=[${keep_last}]"] if ckpt == "best" else []
+    )
     ok(sweep_in(app, *extra, f"stages=[fit,test:same:{ckpt}]", strategy=strategy))
     job = app / "sweep" / "0"
     fit, tested = records(job, "fit"), assert_ranks_agree(job, "test")
     for rank in (0, 1):  # the trained module, on the same process, holding the same shard
-        assert tested[rank]["pid"] == fit[rank]["pid"] and tested[rank]["params_held"] == fit[rank]["params_held"]
+        assert (
+            tested[rank]["pid"] == fit[rank]["pid"]
+            and tested[rank]["params_held"] == fit[rank]["params_held"]
+        )
         assert tested[rank]["local_weight_sum"] == pytest.approx(fit[rank]["local_weight_sum"], rel=1e-6)
     assert tested[0]["weight_sum"] == pytest.approx(tested[1]["weight_sum"], rel=1e-9)
 

@@ -27,7 +27,14 @@ def template(tmp_path):
 def test_template_train_py_sweep(template, trainer):
     proc = ok(
         run(
-            [sys.executable, "src/train.py", "-m", "hydra.sweep.dir=sweep", f"trainer={trainer}", "model.lr=0.1,0.2"],
+            [
+                sys.executable,
+                "src/train.py",
+                "-m",
+                "hydra.sweep.dir=sweep",
+                f"trainer={trainer}",
+                "model.lr=0.1,0.2",
+            ],
             template,
             app_env(),
         )

@@ -195,7 +195,9 @@ Config = make_config(
 def task(cfg):
     global JOBS_RUN_HERE
     JOBS_RUN_HERE += 1
-    extra = [pl.callbacks.EarlyStopping(monitor="val_loss")] if cfg.rank0_callback and local_rank() == 0 else []
+    extra = (
+        [pl.callbacks.EarlyStopping(monitor="val_loss")] if cfg.rank0_callback and local_rank() == 0 else []
+    )
     trainer = instantiate(cfg.trainer, callbacks=extra + list(cfg.trainer.callbacks or []))
     module = instantiate(cfg.module)
     datamodule = instantiate(cfg.datamodule) if cfg.use_datamodule else None
