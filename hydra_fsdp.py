@@ -525,7 +525,9 @@ def _serve_forks(imports: list) -> None:
     gc.freeze()
     replies = os.dup(1)
     os.dup2(2, 1)  # whatever anything prints goes to rank 0's stderr, never into the replies
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0 and the children
+    # Ctrl-C reaches rank 0 and the children, which get what a process rank 0 started would have:
+    # Python's KeyboardInterrupt, or SIGINT ignored if rank 0 ignores it (a background job).
+    sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
     children: set = set()
     unread = b""
@@ -538,7 +540,7 @@ def _serve_forks(imports: list) -> None:
             for request in map(json.loads, lines):
                 pid = os.fork()
                 if pid == 0:
-                    _run_forked(request, imports[0], replies)
+                    _run_forked(request, imports[0], replies, sigint)
                 children.add(pid)
                 os.write(replies, json.dumps({"started": pid}).encode() + b"\n")
         for pid in list(children):
@@ -553,11 +555,11 @@ def _serve_forks(imports: list) -> None:
     os._exit(0)  # nothing to clean up: finalizing torch would only cost rank 0 most of a second
 
 
-def _run_forked(request: dict, lightning: str, replies: int) -> None:
+def _run_forked(request: dict, lightning: str, replies: int, sigint: Any) -> None:
     """In a process the fork server just forked: become the child rank ``request`` starts."""
     try:
         os.close(replies)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGINT, sigint)
         for fd, path, flags in (
             (0, os.devnull, os.O_RDONLY),
             (1, request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND),

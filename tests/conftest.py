@@ -1,5 +1,6 @@
 import ctypes
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -13,6 +14,9 @@ def pytest_configure(config):
     # Orphans of the processes a test started (a child rank whose parent died, a torchrun worker in a
     # session of its own) become children of pytest instead of init: the check below finds them.
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    # Sweeps start as from a terminal, SIGINT at its default, even where pytest was started with it
+    # ignored (a background job of a shell without job control): a handler is reset by exec.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def children_of(pid):

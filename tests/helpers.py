@@ -111,11 +111,16 @@ def sweep_in(app_dir, *overrides, **kwargs):
     return run_app(app_dir, "hydra.sweep.dir=sweep", *overrides, **kwargs)
 
 
-def start_sweep(app_dir, *overrides, env=None):
-    """Start a sweep and return its Run: a session of its own, what a terminal's Ctrl-C reaches."""
-    return Run(
-        [sys.executable, "app.py", "-m", "hydra.sweep.dir=sweep", *overrides], app_dir, app_env(env=env)
-    )
+def start_sweep(app_dir, *overrides, env=None, sigint_ignored=False):
+    """Start a sweep and return its Run: a session of its own, what a terminal's Ctrl-C reaches.
+
+    ``sigint_ignored``: started as a background job of a shell without job control is, SIGINT
+    ignored (which exec keeps)."""
+    python = [sys.executable] + (["-c", IGNORING_SIGINT, sys.executable] if sigint_ignored else [])
+    return Run([*python, "app.py", "-m", "hydra.sweep.dir=sweep", *overrides], app_dir, app_env(env=env))
+
+
+IGNORING_SIGINT = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); os.execv(sys.argv[1], sys.argv[1:])"
 
 
 def records(job_dir, stage="fit"):

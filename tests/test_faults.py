@@ -124,13 +124,30 @@ def test_stopping_the_sweep_ends_every_rank(app, how, while_):
         took = time.monotonic() - stopped
     finally:
         sweep.end()
-    assert sweep.returncode != 0
+    assert sweep.returncode != 0, sweep.text()[-6000:]
     pids = started_pids(job)
     wait_for(lambda: not any(alive(pid) for pid in pids.values()), 10, f"every rank of job 0 {pids} to end")
-    assert not (app / "sweep" / "1").exists(), "a stopped sweep must not start its next job"
+    assert not (app / "sweep" / "1").exists(), (
+        f"a stopped sweep must not start its next job:\n{sweep.text()[-8000:]}"
+    )
     print(
         f"{how}, {while_}: the sweep exited {sweep.returncode} {took:.1f} s after the signal, rank 1 with it"
     )
+
+
+def test_a_sweep_that_ignores_sigint_ignores_it_on_every_rank(app):
+    # a fresh child would inherit rank 0's ignored SIGINT; a forked one must not die of it either
+    sweep = start_sweep(app, "module.lr=0.1,0.2", env={"APP_SLOW_STEPS": "0.5"}, sigint_ignored=True)
+    try:
+        wait_for(
+            lambda: len(started_pids(app / "sweep" / "0")) == 2, SWEEP_TIMEOUT, "both ranks of job 0 to start"
+        )
+        os.killpg(sweep.pid, signal.SIGINT)
+        ok(sweep.wait(timeout=SWEEP_TIMEOUT))
+    finally:
+        sweep.end()
+    for job in ("0", "1"):
+        assert_ranks_agree(app / "sweep" / job)
 
 
 # --------------------------------------------------------------------------- soak
