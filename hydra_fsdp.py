@@ -351,10 +351,10 @@ def _write_launch(config_path: Path, hydra_job: dict, shape: "_Shape") -> bool:
     return task is not None
 
 
-def _rank_launch(children: dict, world_size: int, address: str, port: int, lightning: str) -> None:
+def _rank_launch(children: dict, shape: "_Shape", port: int) -> None:
     """Start child ranks 1..N-1 of the running Hydra job into ``children``, each as::
 
-        LOCAL_RANK=<r> NODE_RANK=0 WORLD_SIZE=<N> MASTER_ADDR=<address> MASTER_PORT=<port> \\
+        LOCAL_RANK=<r> NODE_RANK=0 WORLD_SIZE=<N> MASTER_ADDR=<shape.address> MASTER_PORT=<port> \\
         HYDRA_FSDP_CONFIG=<config> PYTHONUNBUFFERED=1 \\
             python /path/to/hydra_fsdp.py <config>  < /dev/null  >> <job dir>/rank_<r>.log 2>&1
 
@@ -368,20 +368,21 @@ def _rank_launch(children: dict, world_size: int, address: str, port: int, light
     delay = _launch_delay()
     command = [sys.executable, os.path.abspath(__file__), str(config_path)]
     job_dir = Path(HydraConfig.get().runtime.output_dir)
-    for rank in range(1, world_size):
+    for rank in range(1, shape.world_size):
         if rank > 1 and delay:
             time.sleep(delay)
         env = dict(
             os.environ,
-            MASTER_ADDR=address,
+            MASTER_ADDR=shape.address,
             MASTER_PORT=str(port),
             NODE_RANK="0",
             LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(world_size),
+            WORLD_SIZE=str(shape.world_size),
             PYTHONUNBUFFERED="1",  # a killed child's log must still hold its last words
         )
         env[_CHILD_ENV] = str(config_path)
-        children[rank] = _started_fork_server(lightning).start(command, env, job_dir / f"rank_{rank}.log")
+        server = _started_fork_server(shape.lightning, shape.rank_timeout)
+        children[rank] = server.start(command, env, job_dir / f"rank_{rank}.log")
 
 
 # --------------------------------------------------------------------------- the fork server
@@ -405,18 +406,19 @@ class _ForkServer:
     and ends, ending its children, when rank 0 closes its stdin or dies.
     """
 
-    def __init__(self, lightning: str) -> None:
+    def __init__(self, lightning: str, timeout: float) -> None:
         env_set = HydraConfig.get().job.env_set  # the job's environment is the children's, not the server's
         env = {key: value for key, value in os.environ.items() if key not in env_set}
         env.update(PYTHONUNBUFFERED="1", PYTORCH_NVML_BASED_CUDA_CHECK="1")
-        imports = [lightning] + [name for name in ("hydra_zen",) if name in sys.modules]
-        env[_SERVER_ENV] = json.dumps({"sys_path": sys.path, "module": __name__, "imports": imports})
+        self.imports = [lightning] + [name for name in ("hydra_zen",) if name in sys.modules]
+        env[_SERVER_ENV] = json.dumps({"sys_path": sys.path, "module": __name__, "imports": self.imports})
         self.proc = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__)],
             env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
         )
+        self.timeout = timeout  # to start a child: the first waits for its imports
         self.unread = b""
         self.started: list[int] = []
         self.exit_codes: dict[int, int] = {}
@@ -425,11 +427,21 @@ class _ForkServer:
     def start(self, command: list, env: dict, log: Path) -> "_ForkedChild":
         """Have the server fork a child that runs ``command`` with ``env``, writing to ``log``."""
         request = {"command": command, "env": env, "cwd": os.getcwd(), "log": str(log)}
+        deadline = time.monotonic() + self.timeout
         try:
             self.proc.stdin.write(json.dumps(request).encode() + b"\n")
             self.proc.stdin.flush()
             while not self.started:
-                self.read(timeout=None)
+                if time.monotonic() > deadline:
+                    self.proc.kill()
+                    self.proc.wait()
+                    raise ChildRankError(
+                        f"hydra_fsdp's fork server (pid {self.proc.pid}), which imports {', '.join(self.imports)}"
+                        f" once for the sweep's child ranks, started none within {self.timeout:g} s and was"
+                        " ended. Raise rank_timeout on the strategy if imports are this slow here (a"
+                        " cluster's shared file system)."
+                    )
+                self.read(timeout=max(0.0, deadline - time.monotonic()))
         except (BrokenPipeError, EOFError):
             raise ChildRankError(
                 f"hydra_fsdp's fork server (pid {self.proc.pid}) exited with code {self.proc.wait()} before"
@@ -460,10 +472,10 @@ class _ForkServer:
             self.proc.wait()
 
 
-def _started_fork_server(lightning: str) -> _ForkServer:
+def _started_fork_server(lightning: str, timeout: float) -> _ForkServer:
     global _fork_server
     if _fork_server is None or _fork_server.proc.poll() is not None:
-        _fork_server = _ForkServer(lightning)
+        _fork_server = _ForkServer(lightning, timeout)
     return _fork_server
 
 
@@ -655,7 +667,7 @@ class _Job:
             _share_cpus(shape.world_size)
             job.runs_task = _write_launch(config_path, hydra_job, shape)
             _follow_hydra(hydra_job["hydra_context"]).last_shape = shape
-            _rank_launch(job.children, shape.world_size, shape.address, job.store.port, shape.lightning)
+            _rank_launch(job.children, shape, job.store.port)
         except BaseException:
             job.close()
             raise
@@ -828,7 +840,8 @@ class _FollowHydra(Callback):
     last_shape: Optional[_Shape] = None
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
-        if self.last_shape is not None:
+        # not with a fork server that failed to start: its first stage would wait for one again
+        if self.last_shape is not None and _fork_server is not None and _fork_server.proc.poll() is None:
             try:
                 _Job.start(self.last_shape)
             except Exception:  # the job's first stage starts it again, and reports what went wrong
@@ -1187,8 +1200,8 @@ class _HydraStrategy:
 class _HydraDDP(_HydraStrategy):
     """Lightning's ``DDPStrategy``, with every child rank running the Hydra job's own task function.
 
-    Extra arguments: ``rank_timeout`` (seconds a child may take to reach the process group, and
-    to finish after rank 0 finished the job; default 600), ``module_key`` and ``datamodule_key``
+    Extra arguments: ``rank_timeout`` (seconds the fork server may take to start, a child to
+    reach the process group, and to finish after rank 0 finished the job; default 600), ``module_key`` and ``datamodule_key``
     (where the fallback finds them in the job's config; default ``module`` and ``datamodule``).
     The rest is DDPStrategy's.
     """

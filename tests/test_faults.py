@@ -79,6 +79,34 @@ def test_child_hanging_before_rendezvous_is_bounded_by_rank_timeout(app):
     )
 
 
+# Imported at start-up by every Python process given this directory in PYTHONPATH: it makes the
+# sweep's first fork server hang before it imports anything, as on a stuck file system.
+HANG_FIRST_FORK_SERVER = """
+import os, pathlib, time
+if "HYDRA_FSDP_FORK_SERVER" in os.environ:
+    hung = pathlib.Path(__file__).with_name("hung")
+    if not hung.exists():
+        hung.touch()
+        time.sleep(3600)
+"""
+
+
+def test_fork_server_hanging_in_its_imports_is_bounded_by_rank_timeout(app, tmp_path):
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(HANG_FIRST_FORK_SERVER)
+    proc = sweep_in(
+        app, "module.lr=0.1,0.2", "trainer.strategy.rank_timeout=8", env={"PYTHONPATH": str(hook)}
+    )
+    assert (hook / "hung").exists(), "the first fork server ran the hook"
+    assert_failed_job_then_healthy_job(
+        app,
+        proc,
+        1,
+        expect_in_error=["hydra_fsdp's fork server (pid", "started none within 8 s and was ended"],
+    )
+
+
 def test_child_hanging_in_training_is_bounded_by_the_process_group_timeout(app):
     proc = sweep_in(
         app,
