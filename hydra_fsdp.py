@@ -943,8 +943,14 @@ def _stage_for_children(trainer: Any, call: dict) -> dict:
 
 
 def _destroy_process_group() -> None:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    if not torch.distributed.is_available():
+        return
+    if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    # An init_process_group that failed (a rank died during the rendezvous) counted a group it never
+    # made, and torch names the next default group by that count (private: nothing public resets
+    # it): the next job's rank 0 would wait for keys of group "1" while its fresh children write "0".
+    torch.distributed.distributed_c10d._world.group_count = 0
 
 
 def _end_process_groups_at_exit() -> None:

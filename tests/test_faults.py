@@ -79,6 +79,21 @@ def test_child_hanging_before_rendezvous_is_bounded_by_rank_timeout(app):
     )
 
 
+def test_child_dying_in_the_rendezvous_fails_its_job_and_leaves_the_next_one_whole(app):
+    # rank 0 waits in init_process_group for a child that died there, until the group's timeout;
+    # that failed init must not leave rank 0 naming the next job's process group differently
+    proc = sweep_in(
+        app,
+        "module.lr=0.1,0.2",
+        "module.fail_rank=1",
+        "module.fail_how=rendezvous_kill",
+        "+trainer.strategy.timeout={_target_:datetime.timedelta,seconds:5}",
+    )
+    assert_failed_job_then_healthy_job(
+        app, proc, 1, expect_in_error=["Child rank 1 failed", "exit code -9 (killed by SIGKILL)"]
+    )
+
+
 # Imported at start-up by every Python process given this directory in PYTHONPATH: it makes the
 # sweep's first fork server hang before it imports anything, as on a stuck file system.
 HANG_FIRST_FORK_SERVER = """
