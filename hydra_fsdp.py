@@ -646,11 +646,7 @@ class _Job:
         self.stages_announced = 0
         self.signal_received: Optional[int] = None
         self.saved_env = {key: os.environ.get(key) for key in _RENDEZVOUS_ENV}
-        # Port 0: the OS picks a port nobody holds, and we hold it until the job ends. torch's
-        # own init_process_group reuses this store (multi_tenant), and children check in here.
-        self.store = torch.distributed.TCPStore(
-            shape.address, 0, is_master=True, multi_tenant=True, wait_for_workers=False
-        )
+        self.store = _job_store(shape.address)
         os.environ["MASTER_PORT"] = str(self.store.port)
         self.signal_watch = _SignalWatch(self.end_on_signal)
         atexit.register(self.close)  # a job that never reaches on_job_end (SystemExit) still ends
@@ -830,6 +826,29 @@ class _Job:
         return f"rank {rank} (pid {proc.pid}, {status}); its log is {log_path}" + (
             f", ending with:\n{excerpt}" if excerpt else "."
         )
+
+
+# The ports of the stores this process made, one a job (see _job_store).
+_store_ports: set = set()
+
+
+def _job_store(address: str) -> torch.distributed.TCPStore:
+    """A job's store, where children check in and which torch's init_process_group reuses.
+
+    On port 0: the OS picks a port nobody holds, and we hold it until the job ends. But never on a
+    port an earlier job of this process had: torch looks the store to reuse (``multi_tenant``) up
+    by port in a cache where an earlier job's dead store hides this one, and init_process_group
+    then fails with EADDRINUSE. The OS does offer a port again: here after 6 to 160 jobs.
+    """
+    refused = []  # held until a new port is found, so that the OS offers another
+    while True:
+        store = torch.distributed.TCPStore(
+            address, 0, is_master=True, multi_tenant=True, wait_for_workers=False
+        )
+        if store.port not in _store_ports:
+            _store_ports.add(store.port)
+            return store
+        refused.append(store)
 
 
 class _FollowHydra(Callback):

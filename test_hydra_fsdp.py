@@ -272,6 +272,36 @@ def test_fallback_without_the_module_in_the_config_fails_naming_file_and_key(tmp
     run.start.assert_not_called()
 
 
+def test_a_job_store_is_never_on_a_port_an_earlier_job_had():
+    # The OS offers a port again after tens of jobs (6 to 160 seen here). torch's cache of
+    # multi-tenant stores then still holds the earlier job's dead one for that port, hides the new
+    # one, and the lookup init_process_group makes starts a second server there: EADDRINUSE.
+    real_store = torch.distributed.TCPStore
+    earlier = hydra_fsdp._job_store("127.0.0.1")
+    port = earlier.port
+    del earlier
+
+    def on_that_port_again(address, _port, **kwargs):  # what port 0 then gives: a server the cache misses
+        return real_store(address, port, **dict(kwargs, multi_tenant=False))
+
+    again = on_that_port_again("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    with pytest.raises(torch.distributed.DistNetworkError, match="EADDRINUSE"):
+        real_store("127.0.0.1", port, is_master=True, multi_tenant=True)  # as init_process_group looks
+    del again
+
+    offers = iter([on_that_port_again])
+    with mock.patch.object(
+        hydra_fsdp.torch.distributed,
+        "TCPStore",
+        side_effect=lambda *a, **k: next(offers, real_store)(*a, **k),
+    ) as made:
+        store = hydra_fsdp._job_store("127.0.0.1")
+    assert made.call_count == 2 and store.port != port
+    lookup = real_store("127.0.0.1", store.port, is_master=True, multi_tenant=True, wait_for_workers=False)
+    lookup.set("job", "mine")
+    assert store.get("job") == b"mine"  # init_process_group finds the job's own store
+
+
 # --------------------------------------------------------------------------- torchrun / SLURM
 
 
