@@ -381,8 +381,8 @@ def _rank_launch(children: dict, shape: "_Shape", port: int) -> None:
             PYTHONUNBUFFERED="1",  # a killed child's log must still hold its last words
         )
         env[_CHILD_ENV] = str(config_path)
-        server = _started_fork_server(shape.lightning, shape.rank_timeout)
-        children[rank] = server.start(command, env, job_dir / f"rank_{rank}.log")
+        server = _started_fork_server(shape.lightning)
+        children[rank] = server.start(command, env, job_dir / f"rank_{rank}.log", timeout=shape.rank_timeout)
 
 
 # --------------------------------------------------------------------------- the fork server
@@ -406,7 +406,7 @@ class _ForkServer:
     and ends, ending its children, when rank 0 closes its stdin or dies.
     """
 
-    def __init__(self, lightning: str, timeout: float) -> None:
+    def __init__(self, lightning: str) -> None:
         env_set = HydraConfig.get().job.env_set  # the job's environment is the children's, not the server's
         env = {key: value for key, value in os.environ.items() if key not in env_set}
         env.update(PYTHONUNBUFFERED="1", PYTORCH_NVML_BASED_CUDA_CHECK="1")
@@ -418,16 +418,16 @@ class _ForkServer:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
         )
-        self.timeout = timeout  # to start a child: the first waits for its imports
         self.unread = b""
         self.started: list[int] = []
         self.exit_codes: dict[int, int] = {}
         atexit.register(self.close)
 
-    def start(self, command: list, env: dict, log: Path) -> "_ForkedChild":
-        """Have the server fork a child that runs ``command`` with ``env``, writing to ``log``."""
+    def start(self, command: list, env: dict, log: Path, timeout: float) -> "_ForkedChild":
+        """Have the server fork a child that runs ``command`` with ``env``, writing to ``log``,
+        within ``timeout`` seconds (the first child waits for the server's imports)."""
         request = {"command": command, "env": env, "cwd": os.getcwd(), "log": str(log)}
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + timeout
         try:
             self.proc.stdin.write(json.dumps(request).encode() + b"\n")
             self.proc.stdin.flush()
@@ -437,7 +437,7 @@ class _ForkServer:
                     self.proc.wait()
                     raise ChildRankError(
                         f"hydra_fsdp's fork server (pid {self.proc.pid}), which imports {', '.join(self.imports)}"
-                        f" once for the sweep's child ranks, started none within {self.timeout:g} s and was"
+                        f" once for the sweep's child ranks, started none within {timeout:g} s and was"
                         " ended. Raise rank_timeout on the strategy if imports are this slow here (a"
                         " cluster's shared file system)."
                     )
@@ -472,10 +472,10 @@ class _ForkServer:
             self.proc.wait()
 
 
-def _started_fork_server(lightning: str, timeout: float) -> _ForkServer:
+def _started_fork_server(lightning: str) -> _ForkServer:
     global _fork_server
     if _fork_server is None or _fork_server.proc.poll() is not None:
-        _fork_server = _ForkServer(lightning, timeout)
+        _fork_server = _ForkServer(lightning)
     return _fork_server
 
 
@@ -1226,8 +1226,9 @@ class _HydraDDP(_HydraStrategy):
     """Lightning's ``DDPStrategy``, with every child rank running the Hydra job's own task function.
 
     Extra arguments: ``rank_timeout`` (seconds the fork server may take to start, a child to
-    reach the process group, and to finish after rank 0 finished the job; default 600), ``module_key`` and ``datamodule_key``
-    (where the fallback finds them in the job's config; default ``module`` and ``datamodule``).
+    reach the process group, and to finish after rank 0 finished the job; default 600),
+    ``module_key`` and ``datamodule_key`` (where the fallback finds them in the job's config;
+    default ``module`` and ``datamodule``).
     The rest is DDPStrategy's.
     """
 
