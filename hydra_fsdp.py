@@ -1288,30 +1288,103 @@ class _HydraFSDP(_HydraStrategy):
         with _full_state_dict_in_place(self.model):
             return self.model.state_dict()
 
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
-        if not self._full_state_dict_on_cpu():
-            return super().optimizer_state(optimizer)
+    def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any = None) -> None:
+        # An nn.Module kept in the hyperparameters (save_hyperparameters() of a `net` argument) is
+        # pickled into the checkpoint as it stands: sharded, rank 0's flat shard and empty tensors,
+        # which no loader can put back into a module. Gathered on rank 0, it is pickled whole, as
+        # DDP writes it (a collective: every rank saves).
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if not _holds_module(checkpoint.get("hyper_parameters")):
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        with FullyShardedDataParallel.summon_full_params(self.model, writeback=False, rank0_only=True):
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, **kwargs: Any) -> dict:
+        """Load a checkpoint HydraFSDP or HydraDDP wrote, in the layout Lightning's FSDP writes.
+
+        A full checkpoint is loaded memory-mapped, not through Lightning's lazy loader, which cannot
+        rebuild a Parameter pickled in the hyperparameters: mapped, a rank reads a tensor's pages
+        only as it copies its shard, and the ranks share those pages -- what lazy loading was for.
+        A sharded one (a directory) is loaded as Lightning does, but also with an optimizer that
+        holds no per-parameter state (SGD without momentum), whose empty state the shards drop.
+        """
+        from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
+
+        path = Path(self.broadcast(checkpoint_path))
+        weights_only = kwargs.get("weights_only")  # Lightning's default, None, is torch.load's default
+        fitting = self.lightning_module.trainer.state.fn == "fit"
+        strict = getattr(self.lightning_module, "strict_loading", True)
+        if path.is_dir():
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+
+            with FullyShardedDataParallel.state_dict_type(self.model, StateDictType.SHARDED_STATE_DICT):
+                state = {"model": self.model.state_dict()}
+                dcp.load(state, checkpoint_id=path)
+                self.model.load_state_dict(state["model"], strict=strict)
+                for index, optimizer in enumerate(self.optimizers if fitting else []):
+                    key = f"optimizer_{index}"
+                    saved = load_sharded_optimizer_state_dict(
+                        state["model"], key, dcp.FileSystemReader(path)
+                    )[key]
+                    self._load_optimizer(optimizer, {"state": {}, **saved})
+            return torch.load(path / "meta.pt", weights_only=weights_only)  # the rest, as Lightning saved it
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+        with _full_state_dict_in_place(self.model, rank0_only=False):
+            states = checkpoint.get("optimizer_states") if fitting else None
+            if states is not None and len(states) != len(self.optimizers):
+                raise RuntimeError(
+                    f"The checkpoint {path} holds the state of {len(states)} optimizer(s), and the module"
+                    f" configures {len(self.optimizers)}: resume with the optimizers it was saved with."
+                )
+            self.model.load_state_dict(checkpoint.pop("state_dict"), strict=strict)
+            for optimizer, state in zip(self.optimizers, states or []):
+                self._load_optimizer(optimizer, self._keyed_by_name(state))
+        return checkpoint
+
+    def _keyed_by_name(self, state: dict) -> dict:
+        """An optimizer state written without FSDP (by DDP) is keyed by position: key it by name.
+        torch leaves one without per-parameter entries (SGD without momentum) as it is."""
         from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType
 
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap a LightningOptimizer
-        with _full_state_dict_in_place(self.model):
-            state = FullyShardedDataParallel.optim_state_dict(self.model, optimizer)
-        if self.global_rank == 0:
-            state = FullyShardedDataParallel.rekey_optim_state_dict(
-                state, OptimStateKeyType.PARAM_ID, self.model
+        positions = [key for group in state["param_groups"] for key in group["params"]]
+        if not any(isinstance(key, int) for key in positions):
+            return state
+        entries = state["state"] or dict.fromkeys(positions, {})
+        named = FullyShardedDataParallel.rekey_optim_state_dict(
+            {**state, "state": entries}, OptimStateKeyType.PARAM_NAME, self.model
+        )
+        return {**named, "state": named["state"] if state["state"] else {}}
+
+    def _load_optimizer(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        optimizer.load_state_dict(
+            FullyShardedDataParallel.optim_state_dict_to_load(
+                model=self.model, optim=optimizer, optim_state_dict=state
             )
-        return state
+        )
 
     def _full_state_dict_on_cpu(self) -> bool:
         return self._state_dict_type == "full" and self.root_device.type == "cpu"
 
 
-def _full_state_dict_in_place(module: torch.nn.Module) -> Any:
+def _holds_module(value: Any) -> bool:
+    if isinstance(value, dict):
+        return any(map(_holds_module, value.values()))
+    if isinstance(value, (list, tuple)):
+        return any(map(_holds_module, value))
+    return isinstance(value, torch.nn.Module)
+
+
+def _full_state_dict_in_place(module: torch.nn.Module, rank0_only: bool = True) -> Any:
     """FSDP's full-state-dict context without ``offload_to_cpu``.
 
     Lightning always asks FSDP to offload the gathered state to the CPU; with shards already on
     the CPU that frees memory the state dict still points to, and the process segfaults
-    (Lightning issue #21804). Rank 0 alone gathers, as Lightning does.
+    (Lightning issue #21804). To save, rank 0 alone gathers, as Lightning does; to load, every
+    rank takes its shard of the full state.
     """
     from torch.distributed.fsdp import (
         FullStateDictConfig,
@@ -1323,8 +1396,8 @@ def _full_state_dict_in_place(module: torch.nn.Module) -> Any:
     return FullyShardedDataParallel.state_dict_type(
         module=module,
         state_dict_type=StateDictType.FULL_STATE_DICT,
-        state_dict_config=FullStateDictConfig(offload_to_cpu=False, rank0_only=True),
-        optim_state_dict_config=FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=True),
+        state_dict_config=FullStateDictConfig(offload_to_cpu=False, rank0_only=rank0_only),
+        optim_state_dict_config=FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=rank0_only),
     )
 
 

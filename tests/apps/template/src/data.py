@@ -20,3 +20,6 @@ class ShapesDataModule(LightningDataModule):
 
     def test_dataloader(self):
         return self._loader(2)
+
+    def predict_dataloader(self):
+        return self._loader(3)

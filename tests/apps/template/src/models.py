@@ -9,14 +9,15 @@ from hydra.core.hydra_config import HydraConfig
 from lightning import LightningModule
 
 
-class TinyLitModule(LightningModule):
-    def __init__(self, lr: float = 0.1, width: int = 32) -> None:
-        super().__init__()
-        self.save_hyperparameters()
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Linear(width, 1))
-
+class _RecordingModule(LightningModule):
     def forward(self, x):
         return self.net(x)
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
+    def on_train_start(self):  # after a resumed fit restored its checkpoint
+        self._record("train_start")
 
     def _loss(self, batch):
         x, y = batch
@@ -42,6 +43,13 @@ class TinyLitModule(LightningModule):
     def on_test_end(self):
         self._record("test")
 
+    def on_validation_end(self):
+        if self.trainer.state.fn == "validate":  # not fit's validation loop
+            self._record("validate")
+
+    def on_predict_end(self):
+        self._record("predict")
+
     def _record(self, stage):
         held = [p.detach().double() for p in self.trainer.model.parameters()]
         local_sum = torch.tensor(float(sum(p.sum() for p in held)), dtype=torch.float64)
@@ -57,6 +65,8 @@ class TinyLitModule(LightningModule):
             "callbacks": sorted(type(c).__name__ for c in trainer.callbacks),
             "loggers": sorted(type(lg).__name__ for lg in trainer.loggers),
             "ckpt_path": trainer.ckpt_path,
+            "epoch": trainer.current_epoch,
+            "global_step": trainer.global_step,
             "strategy": f"{type(trainer.strategy).__module__}.{type(trainer.strategy).__qualname__}",
             "output_dir": HydraConfig.get().runtime.output_dir,
             "params_held": sum(p.numel() for p in held),
@@ -66,3 +76,27 @@ class TinyLitModule(LightningModule):
         out = Path(seen["output_dir"], "seen")
         out.mkdir(exist_ok=True)
         (out / f"{stage}_rank{trainer.global_rank}.json").write_text(json.dumps(seen))
+
+
+class TinyNet(torch.nn.Sequential):
+    """The template's ``net``: a plain nn.Module its config builds and hands to the LightningModule."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__(torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Linear(width, 1))
+
+
+class TinyLitModule(_RecordingModule):
+    def __init__(self, lr: float = 0.1, width: int = 32) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = TinyNet(width)
+
+
+class NetLitModule(_RecordingModule):
+    """lightning-hydra-template's MNISTLitModule in shape: ``net`` comes from the config and is kept
+    in the hyperparameters, which pickles the nn.Module into every checkpoint."""
+
+    def __init__(self, net: torch.nn.Module, lr: float = 0.1) -> None:
+        super().__init__()
+        self.save_hyperparameters(logger=False)
+        self.net = net
