@@ -1,0 +1,260 @@
+"""Every checkpoint HydraFSDP writes loads, in every way users load one (issue 17).
+
+The app is the lightning-hydra-template-shaped one (tests/apps/template): ``model=net`` is the
+template's own trait, a ``net`` nn.Module built by the config and kept in the hyperparameters by
+``save_hyperparameters(logger=False)``, which pickles the module into every checkpoint;
+``model=tiny`` keeps only numbers there. One sweep writes a checkpoint of each (DDP, FSDP full,
+FSDP sharded) x (net, tiny); the tests load them by resuming, by testing in a new run (the
+template's eval.py) on 1, 2 and 3 ranks, across strategies, and outside any Trainer. Each rank
+records the sum of the weights it holds (gathered, for FSDP) at the stage, which must be the sum
+of the checkpoint it loaded.
+
+Loading a pickled nn.Module is refused by torch's default ``weights_only=True`` (torch >= 2.6),
+under DDP as under FSDP: the runs that load one set ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1``, the
+user's own way to allow it, and one test checks the refusal.
+"""
+
+import functools
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import APPS, app_env, ok, records, run
+
+TRUSTED = {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}
+KEEP_ALL = "+callbacks.model_checkpoint.save_top_k=-1"  # epoch_000 differs from last: a load shows
+JOBS = {  # the writing sweep's jobs, in Hydra's order
+    ("ddp", "net"): 0,
+    ("ddp", "tiny"): 1,
+    ("fsdp", "net"): 2,
+    ("fsdp", "tiny"): 3,
+    ("fsdp_sharded", "net"): 4,
+    ("fsdp_sharded", "tiny"): 5,
+}
+
+
+SUM_OF = """
+import sys, torch
+sys.path.insert(0, ".")  # the checkpoint pickles the app's own classes
+state_dict = torch.load(sys.argv[1], map_location="cpu", weights_only=False)["state_dict"]
+print(sum(float(tensor.double().sum()) for tensor in state_dict.values()))
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def checkpoint_sum(path):
+    """The sum of a checkpoint's weights; a sharded one is read through its consolidated file."""
+    path = Path(path)
+    if path.is_dir():
+        path = consolidated(path)
+    proc = subprocess.run([sys.executable, "-c", SUM_OF, str(path)], cwd=project_of(path), capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return float(proc.stdout.split()[-1])
+
+
+def consolidated(directory):
+    """Lightning's own utility makes one file of a sharded checkpoint, run from the project's root
+    (as ``python -m``, which can then import the app's classes the checkpoint pickles)."""
+    target = directory.with_name(directory.name + ".consolidated")
+    if not target.exists():
+        command = [sys.executable, "-m", "lightning.pytorch.utilities.consolidate_checkpoint", str(directory)]
+        ok(run(command, project_of(directory), app_env(env=TRUSTED), timeout=120))
+    return target
+
+
+def project_of(path):
+    return next(parent for parent in Path(path).parents if (parent / ".project-root").exists())
+
+
+def script(project, name, *overrides, env=TRUSTED, multirun=False):
+    command = [sys.executable, f"src/{name}.py"] + (["-m"] if multirun else []) + list(overrides)
+    return run(command, project, app_env(env=env))
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    """The template, and one sweep that wrote a checkpoint of each strategy x model."""
+    root = Path(shutil.copytree(APPS / "template", tmp_path_factory.mktemp("ckpt") / "project"))
+    ok(
+        script(
+            root,
+            "train",
+            "hydra.sweep.dir=sweep",
+            "trainer=ddp,fsdp,fsdp_sharded",
+            "model=net,tiny",
+            KEEP_ALL,
+            multirun=True,
+        )
+    )
+    for (trainer, model), job in JOBS.items():
+        overrides = (root / "sweep" / str(job) / ".hydra" / "overrides.yaml").read_text()
+        assert f"trainer={trainer}\n" in overrides and f"model={model}\n" in overrides, overrides
+    return root
+
+
+def checkpoint(project, trainer, model, name="last.ckpt"):
+    return project / "sweep" / str(JOBS[trainer, model]) / "checkpoints" / name
+
+
+def assert_loaded(job_dir, stage, expected_sum, world):
+    seen = records(job_dir, stage)
+    assert sorted(seen) == list(range(world)), f"ranks that recorded {stage}: {sorted(seen)}"
+    for rank in seen.values():
+        assert rank["world"] == world
+        assert rank["weight_sum"] == pytest.approx(expected_sum, rel=1e-9, abs=1e-9), (stage, rank)
+    return seen
+
+
+@pytest.mark.parametrize("trainer", ["fsdp", "fsdp_sharded", "ddp"])
+@pytest.mark.parametrize("model", ["net", "tiny"])
+def test_fit_then_test_best_in_the_same_job(project, trainer, model):
+    """The template's own sweep: fit, then test(ckpt_path=best) on every rank."""
+    job_dir = project / "sweep" / str(JOBS[trainer, model])
+    tested = records(job_dir, "test")
+    best = tested[0]["ckpt_path"]
+    assert Path(best).parent == job_dir / "checkpoints" and Path(best).name.startswith("epoch_")
+    assert_loaded(job_dir, "test", checkpoint_sum(best), world=2)
+    if trainer != "ddp":
+        assert sorted(rank["params_held"] for rank in tested.values()) == [160, 161]
+
+
+@pytest.mark.parametrize("trainer", ["fsdp", "fsdp_sharded"])
+def test_validate_test_predict_load_what_fit_wrote(project, trainer):
+    """After fit in one job: validate(best), test(a path) and predict(last) each load theirs."""
+    proc = ok(script(project, "stages", f"hydra.run.dir=stages_{trainer}", f"trainer={trainer}", "model=net",
+                     KEEP_ALL, "trainer.max_epochs=3"))  # fmt: skip
+    job_dir = project / f"stages_{trainer}"
+    checkpoints = job_dir / "checkpoints"
+    fitted = records(job_dir, "fit")[0]["weight_sum"]
+    first = checkpoint_sum(checkpoints / "epoch_000.ckpt")
+    assert first != pytest.approx(fitted), "the test of epoch_000 must load other weights than fit ended with"
+    validated = assert_loaded(
+        job_dir, "validate", checkpoint_sum(records(job_dir, "validate")[0]["ckpt_path"]), 2
+    )
+    assert Path(validated[0]["ckpt_path"]).parent == checkpoints
+    assert_loaded(job_dir, "test", first, 2)
+    assert_loaded(job_dir, "predict", checkpoint_sum(checkpoints / "last.ckpt"), 2)
+    print(f"fit, validate, test, predict with {trainer}: {proc.seconds:.1f} s")
+
+
+@pytest.mark.parametrize(
+    "written_by, model, resumed_by, devices",
+    [
+        ("fsdp", "net", "fsdp", 2),
+        ("fsdp", "tiny", "fsdp", 2),
+        ("fsdp_sharded", "net", "fsdp_sharded", 2),
+        ("fsdp", "net", "fsdp", 3),  # saved on 2 ranks, resumed on 3
+        ("fsdp_sharded", "net", "fsdp_sharded", 3),
+        ("ddp", "net", "fsdp", 2),
+        ("fsdp", "net", "ddp", 2),
+    ],
+)
+def test_resume_fit(project, written_by, model, resumed_by, devices):
+    """fit(ckpt_path=last): the weights, epoch and step of the checkpoint, and training goes on."""
+    source = checkpoint(project, written_by, model)
+    run_dir = f"resume_{written_by}_{model}_{resumed_by}_{devices}"
+    ok(script(project, "train", f"hydra.run.dir={run_dir}", f"trainer={resumed_by}", f"model={model}",
+              f"trainer.devices={devices}", "trainer.max_epochs=3", f"ckpt_path={source}"))  # fmt: skip
+    started = assert_loaded(project / run_dir, "train_start", checkpoint_sum(source), devices)
+    assert {(rank["epoch"], rank["global_step"]) for rank in started.values()} == {(2, 8)}
+    fitted = records(project / run_dir, "fit")
+    assert {rank["epoch"] for rank in fitted.values()} == {3}
+    assert len({rank["weight_sum"] for rank in fitted.values()}) == 1
+
+
+def test_eval_run_on_1_2_3_ranks_and_across_strategies(project):
+    """The template's eval.py, a new run: test(ckpt_path=path) of a checkpoint FSDP wrote, under
+    HydraFSDP and HydraDDP on 1, 2 and 3 ranks; and of one DDP wrote, under HydraFSDP."""
+    source = checkpoint(project, "fsdp", "net", "epoch_000.ckpt")
+    ok(script(project, "eval", "hydra.sweep.dir=eval", "trainer=fsdp,ddp", "trainer.devices=1,2,3", "model=net",
+              f"ckpt_path={source}", multirun=True))  # fmt: skip
+    for job, (trainer, devices) in enumerate((t, d) for t in ("fsdp", "ddp") for d in (1, 2, 3)):
+        seen = assert_loaded(project / "eval" / str(job), "test", checkpoint_sum(source), devices)
+        assert {rank["strategy"] for rank in seen.values()} == {
+            f"hydra_fsdp.lightning.Hydra{trainer.upper()}"
+        }
+        assert {rank["ckpt_path"] for rank in seen.values()} == {str(source)}
+    source = checkpoint(project, "ddp", "net", "epoch_000.ckpt")
+    ok(script(project, "eval", "hydra.run.dir=eval_of_ddp", "trainer=fsdp", "trainer.devices=3", "model=net",
+              f"ckpt_path={source}"))  # fmt: skip
+    assert_loaded(project / "eval_of_ddp", "test", checkpoint_sum(source), 3)
+
+
+def test_eval_of_a_sharded_checkpoint_on_3_ranks(project):
+    source = checkpoint(project, "fsdp_sharded", "net", "epoch_000.ckpt")
+    ok(script(project, "eval", "hydra.run.dir=eval_sharded", "trainer=fsdp_sharded", "trainer.devices=3",
+              "model=net", f"ckpt_path={source}"))  # fmt: skip
+    assert_loaded(project / "eval_sharded", "test", checkpoint_sum(source), 3)
+
+
+def test_stock_ddp_loads_what_hydra_fsdp_wrote(project):
+    """A user who drops hydra_fsdp keeps their checkpoints: Lightning's own strategy="ddp"."""
+    for trainer in ("fsdp", "fsdp_sharded"):
+        source = checkpoint(project, trainer, "net")
+        if source.is_dir():
+            source = consolidated(source)
+        run_dir = f"stock_ddp_of_{trainer}"
+        ok(script(project, "eval", f"hydra.run.dir={run_dir}", "trainer=ddp", "trainer.strategy=ddp", "model=net",
+                  f"ckpt_path={source}"))  # fmt: skip
+        seen = assert_loaded(project / run_dir, "test", checkpoint_sum(source), 2)
+        assert {rank["strategy"] for rank in seen.values()} == {
+            "lightning.pytorch.strategies.ddp.DDPStrategy"
+        }
+
+
+OUTSIDE_A_TRAINER = """
+import json, sys, torch
+sys.path.insert(0, ".")
+from src.models import NetLitModule, TinyLitModule
+found = {}
+for path in sys.argv[1:]:
+    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    net = checkpoint["hyper_parameters"].get("net")
+    module = (NetLitModule if net is not None else TinyLitModule).load_from_checkpoint(path, map_location="cpu")
+    found[path] = {
+        "state_dict": {name: tensor.double().sum().item() for name, tensor in checkpoint["state_dict"].items()},
+        "loaded": {name: tensor.double().sum().item() for name, tensor in module.state_dict().items()},
+        "pickled_net": None if net is None else
+            {name: [list(p.shape), p.double().sum().item()] for name, p in net.state_dict().items()},
+    }
+print(json.dumps(found))
+"""
+
+
+def test_load_from_checkpoint_and_torch_load_outside_a_trainer(project):
+    """Model.load_from_checkpoint and a plain torch.load hold the trained weights, the pickled
+    net among them (FSDP used to pickle rank 0's shard of it: a flat tensor and empty ones)."""
+    paths = [checkpoint(project, trainer, model) for trainer, model in JOBS if trainer != "fsdp_sharded"]
+    paths.append(consolidated(checkpoint(project, "fsdp_sharded", "net")))
+    proc = subprocess.run([sys.executable, "-c", OUTSIDE_A_TRAINER, *map(str, paths)], cwd=project,
+                          env=app_env(env=TRUSTED), capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    found = json.loads(proc.stdout.splitlines()[-1])
+    shapes = {"0.weight": [32, 8], "0.bias": [32], "2.weight": [1, 32], "2.bias": [1]}
+    for path, seen in found.items():
+        assert seen["loaded"] == pytest.approx(seen["state_dict"]), path
+        if "/4/" in path or "/0/" in path or "/2/" in path:  # the net models
+            net = seen["pickled_net"]
+            assert {name: shape for name, (shape, _) in net.items()} == shapes, path
+            assert {name: total for name, (_, total) in net.items()} == pytest.approx(
+                {name[len("net.") :]: total for name, total in seen["state_dict"].items()}
+            ), path
+
+
+def test_weights_only_is_honoured(project):
+    """Lightning's weights_only (None: torch's default, True since torch 2.6) refuses the pickled
+    net under HydraFSDP as under DDP, at once on every rank; a checkpoint of plain numbers loads."""
+    for trainer in ("fsdp", "fsdp_sharded", "ddp"):
+        proc = script(project, "eval", f"hydra.run.dir=refused_{trainer}", f"trainer={trainer}", "model=net",
+                      f"ckpt_path={checkpoint(project, trainer, 'net')}", env={})  # fmt: skip
+        assert proc.returncode != 0
+        assert "Weights only load failed" in proc.text() and "TinyNet" in proc.text(), proc.text()[-3000:]
+        assert proc.seconds < 60
+        assert not records(project / f"refused_{trainer}", "test")
+    ok(script(project, "eval", "hydra.run.dir=plain", "trainer=fsdp", "model=tiny",
+              f"ckpt_path={checkpoint(project, 'fsdp', 'tiny')}", env={}))  # fmt: skip
+    assert_loaded(project / "plain", "test", checkpoint_sum(checkpoint(project, "fsdp", "tiny")), 2)
