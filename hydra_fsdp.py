@@ -67,6 +67,7 @@ size before the rendezvous, and compare the same way.
 """
 
 import atexit
+import contextlib
 import faulthandler
 import functools
 import gc
@@ -1290,13 +1291,17 @@ class _HydraFSDP(_HydraStrategy):
 
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any = None) -> None:
         # An nn.Module kept in the hyperparameters (save_hyperparameters() of a `net` argument) is
-        # pickled into the checkpoint as it stands: sharded, rank 0's flat shard and empty tensors,
-        # which no loader can put back into a module. Gathered on rank 0, it is pickled whole, as
-        # DDP writes it (a collective: every rank saves).
+        # pickled as it stands: sharded, rank 0's flat shard and empty tensors, which no loader can
+        # put back into a module. For a full checkpoint rank 0 pickles it holding the full state
+        # dict's tensors, stored once, as in DDP's file; a sharded one's metadata, gathered whole.
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        if not _holds_module(checkpoint.get("hyper_parameters")):
+        modules = _modules_in(checkpoint.get("hyper_parameters"))
+        if not modules:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
+        if self._state_dict_type == "full":
+            with _holding(modules, checkpoint["state_dict"], self.lightning_module):
+                return super().save_checkpoint(checkpoint, filepath, storage_options)
         with FullyShardedDataParallel.summon_full_params(self.model, writeback=False, rank0_only=True):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
 
@@ -1370,12 +1375,45 @@ class _HydraFSDP(_HydraStrategy):
         return self._state_dict_type == "full" and self.root_device.type == "cpu"
 
 
-def _holds_module(value: Any) -> bool:
+def _modules_in(value: Any) -> list:
     if isinstance(value, dict):
-        return any(map(_holds_module, value.values()))
+        return [module for item in value.values() for module in _modules_in(item)]
     if isinstance(value, (list, tuple)):
-        return any(map(_holds_module, value))
-    return isinstance(value, torch.nn.Module)
+        return [module for item in value for module in _modules_in(item)]
+    return [value] if isinstance(value, torch.nn.Module) else []
+
+
+@contextlib.contextmanager
+def _holding(modules: list, state_dict: dict, root: torch.nn.Module) -> Any:
+    """While the checkpoint is pickled, give ``modules`` (submodules of ``root``) what DDP's would
+    hold: each FSDP unit inside them as the module it wraps (a unit holds process groups, which do
+    not pickle), and each parameter as the tensor of rank 0's full ``state_dict`` (empty on the
+    other ranks, which pickle nothing)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    undo = []
+    try:
+        for parent in [inner for module in modules for inner in module.modules()]:
+            for key, child in list(parent.named_children()):
+                if isinstance(child, FullyShardedDataParallel):
+                    undo.append(functools.partial(setattr, parent, key, child))
+                    setattr(parent, key, child.module)
+        names = {id(module): _unwrapped_name(name) for name, module in root.named_modules()}
+        for module in modules:
+            for name, parameter in module.named_parameters() if id(module) in names else ():
+                key = ".".join(filter(None, (names[id(module)], _unwrapped_name(name))))
+                if key in state_dict:
+                    undo.append(functools.partial(setattr, parameter, "data", parameter.data))
+                    parameter.data = state_dict[key]
+        yield
+    finally:
+        for step in reversed(undo):
+            step()
+
+
+def _unwrapped_name(name: str) -> str:
+    """A parameter's or module's name as FSDP's state dict keys it: without its wrappers' part."""
+    return ".".join(part for part in name.split(".") if part != "_fsdp_wrapped_module")
 
 
 def _full_state_dict_in_place(module: torch.nn.Module, rank0_only: bool = True) -> Any:

@@ -22,17 +22,18 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import APPS, app_env, ok, records, run
 
 TRUSTED = {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}
 KEEP_ALL = "+callbacks.model_checkpoint.save_top_k=-1"  # epoch_000 differs from last: a load shows
 JOBS = {  # the writing sweep's jobs, in Hydra's order
-    ("ddp", "net"): 0,
-    ("ddp", "tiny"): 1,
-    ("fsdp", "net"): 2,
-    ("fsdp", "tiny"): 3,
-    ("fsdp_sharded", "net"): 4,
-    ("fsdp_sharded", "tiny"): 5,
+    (trainer, model): job
+    for job, (trainer, model) in enumerate(
+        (trainer, model)
+        for trainer in ("ddp", "fsdp", "fsdp_sharded", "fsdp_wrapped")
+        for model in ("net", "tiny")
+    )
 }
 
 
@@ -44,14 +45,14 @@ print(sum(float(tensor.double().sum()) for tensor in state_dict.values()))
 """
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def checkpoint_sum(path):
     """The sum of a checkpoint's weights; a sharded one is read through its consolidated file."""
     path = Path(path)
     if path.is_dir():
         path = consolidated(path)
     proc = subprocess.run([sys.executable, "-c", SUM_OF, str(path)], cwd=project_of(path), capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+                          text=True, timeout=120, check=False)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     return float(proc.stdout.split()[-1])
 
@@ -84,7 +85,7 @@ def project(tmp_path_factory):
             root,
             "train",
             "hydra.sweep.dir=sweep",
-            "trainer=ddp,fsdp,fsdp_sharded",
+            "trainer=ddp,fsdp,fsdp_sharded,fsdp_wrapped",
             "model=net,tiny",
             KEEP_ALL,
             multirun=True,
@@ -109,7 +110,7 @@ def assert_loaded(job_dir, stage, expected_sum, world):
     return seen
 
 
-@pytest.mark.parametrize("trainer", ["fsdp", "fsdp_sharded", "ddp"])
+@pytest.mark.parametrize("trainer", ["fsdp", "fsdp_sharded", "fsdp_wrapped", "ddp"])
 @pytest.mark.parametrize("model", ["net", "tiny"])
 def test_fit_then_test_best_in_the_same_job(project, trainer, model):
     """The template's own sweep: fit, then test(ckpt_path=best) on every rank."""
@@ -151,6 +152,8 @@ def test_validate_test_predict_load_what_fit_wrote(project, trainer):
         ("fsdp_sharded", "net", "fsdp_sharded", 3),
         ("ddp", "net", "fsdp", 2),
         ("fsdp", "net", "ddp", 2),
+        ("fsdp_wrapped", "net", "fsdp_wrapped", 2),  # FSDP units inside the pickled net
+        ("fsdp_wrapped", "net", "ddp", 2),
     ],
 )
 def test_resume_fit(project, written_by, model, resumed_by, devices):
@@ -228,17 +231,23 @@ print(json.dumps(found))
 def test_load_from_checkpoint_and_torch_load_outside_a_trainer(project):
     """Model.load_from_checkpoint and a plain torch.load hold the trained weights, the pickled
     net among them (FSDP used to pickle rank 0's shard of it: a flat tensor and empty ones)."""
-    paths = [checkpoint(project, trainer, model) for trainer, model in JOBS if trainer != "fsdp_sharded"]
-    paths.append(consolidated(checkpoint(project, "fsdp_sharded", "net")))
-    proc = subprocess.run([sys.executable, "-c", OUTSIDE_A_TRAINER, *map(str, paths)], cwd=project,
-                          env=app_env(env=TRUSTED), capture_output=True, text=True, timeout=120)  # fmt: skip
+    models = {
+        str(checkpoint(project, trainer, model)): model
+        for trainer, model in JOBS
+        if trainer != "fsdp_sharded"
+    }
+    models[str(consolidated(checkpoint(project, "fsdp_sharded", "net")))] = "net"
+    proc = subprocess.run([sys.executable, "-c", OUTSIDE_A_TRAINER, *models], cwd=project,
+                          env=app_env(env=TRUSTED), capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     found = json.loads(proc.stdout.splitlines()[-1])
+    assert sorted(found) == sorted(models)
     shapes = {"0.weight": [32, 8], "0.bias": [32], "2.weight": [1, 32], "2.bias": [1]}
     for path, seen in found.items():
         assert seen["loaded"] == pytest.approx(seen["state_dict"]), path
-        if "/4/" in path or "/0/" in path or "/2/" in path:  # the net models
-            net = seen["pickled_net"]
+        net = seen["pickled_net"]
+        assert (net is not None) == (models[path] == "net"), path
+        if net is not None:
             assert {name: shape for name, (shape, _) in net.items()} == shapes, path
             assert {name: total for name, (_, total) in net.items()} == pytest.approx(
                 {name[len("net.") :]: total for name, total in seen["state_dict"].items()}
@@ -258,3 +267,27 @@ def test_weights_only_is_honoured(project):
     ok(script(project, "eval", "hydra.run.dir=plain", "trainer=fsdp", "model=tiny",
               f"ckpt_path={checkpoint(project, 'fsdp', 'tiny')}", env={}))  # fmt: skip
     assert_loaded(project / "plain", "test", checkpoint_sum(checkpoint(project, "fsdp", "tiny")), 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("trainer", ["fsdp", "fsdp_sharded"])
+def test_two_gpu_checkpoints_load(project, trainer):
+    """The same load paths on CUDA/NCCL: fit then test(best), resume, and an eval run on 1 and 2 GPUs."""
+    gpu = "trainer.accelerator=gpu"
+    ok(
+        script(
+            project, "train", f"hydra.run.dir=gpu_{trainer}", f"trainer={trainer}", "model=net", gpu, KEEP_ALL
+        )
+    )
+    job_dir = project / f"gpu_{trainer}"
+    assert_loaded(job_dir, "test", checkpoint_sum(records(job_dir, "test")[0]["ckpt_path"]), 2)
+    last = job_dir / "checkpoints" / "last.ckpt"
+    ok(script(project, "train", f"hydra.run.dir=gpu_resume_{trainer}", f"trainer={trainer}", "model=net", gpu,
+              "trainer.max_epochs=3", f"ckpt_path={last}"))  # fmt: skip
+    assert_loaded(project / f"gpu_resume_{trainer}", "train_start", checkpoint_sum(last), 2)
+    first = job_dir / "checkpoints" / "epoch_000.ckpt"
+    ok(script(project, "eval", f"hydra.sweep.dir=gpu_eval_{trainer}", f"trainer={trainer}", "model=net", gpu,
+              "trainer.devices=1,2", f"ckpt_path={first}", multirun=True))  # fmt: skip
+    for job, devices in ((0, 1), (1, 2)):
+        assert_loaded(project / f"gpu_eval_{trainer}" / str(job), "test", checkpoint_sum(first), devices)

@@ -52,7 +52,8 @@ class _RecordingModule(LightningModule):
 
     def _record(self, stage):
         held = [p.detach().double() for p in self.trainer.model.parameters()]
-        local_sum = torch.tensor(float(sum(p.sum() for p in held)), dtype=torch.float64)
+        # on the module's device: NCCL reduces CUDA tensors only
+        local_sum = torch.tensor(float(sum(p.sum() for p in held)), dtype=torch.float64, device=self.device)
         full_sum = local_sum.clone()
         torch.distributed.all_reduce(full_sum)
         trainer = self.trainer
