@@ -1,70 +1,39 @@
+# SPDX-License-Identifier: MIT
+# hydra_fsdp -- one file, meant to be copied into a project: keep this header. The version below is
+# that of the hydra_fsdp repository this copy was taken from (its README and tests live there).
 """Lightning's DDP and FSDP strategies that work under Hydra, ``--multirun`` sweeps included.
 
-Why
----
-Lightning starts ranks 1..N-1 by re-running ``sys.argv``. Inside a Hydra sweep that is the
-*sweep* command, so every child rank re-runs the whole sweep (or the wrong job). ``HydraDDP``
-and ``HydraFSDP`` instead start every child rank of a job from **that job's own saved config**,
-``<job output dir>/<hydra.output_subdir>/config.yaml``, and run the job's own task function on
-it: every rank of every job runs what rank 0 runs, as every rank runs your script under stock
-DDP outside Hydra.
+``HydraDDP`` and ``HydraFSDP`` start every child rank of a Hydra job from that job's own saved
+config (``<job dir>/<hydra.output_subdir>/config.yaml``) and run the job's own task function on
+it, instead of re-running ``sys.argv`` (the whole sweep) as Lightning does. Sections follow a
+job: what rank 0 reads, what a child runs, the fork server that starts children, rank 0's job,
+the check that every rank runs the same thing, the strategies, and a child rank's own start.
 
-Use
----
-With hydra-zen::
+Private names of torch, Lightning, Hydra and OmegaConf this file relies on, each guarded: a
+change raises ``RankLaunchError`` naming it and the versions known to work (``_KNOWN_TO_WORK``).
 
-    import lightning.pytorch as pl                   # or: import pytorch_lightning as pl
-    from hydra_zen import builds, make_config, zen
-    from hydra_fsdp import HydraDDP, HydraFSDP
-
-    Trainer = builds(pl.Trainer, accelerator="gpu", devices=2, strategy=builds(HydraFSDP))
-    Config = make_config(trainer=Trainer, module=builds(MyModule))
-
-    def train(trainer, module):                      # runs on every rank of every job
-        trainer.fit(module)
-        trainer.test(module, ckpt_path="best")
-
-    if __name__ == "__main__":
-        zen(train).hydra_main(config_name=..., config_path=None, version_base="1.3")
-
-or in YAML ``strategy: {_target_: hydra_fsdp.HydraDDP}``, with any task function
-(``@hydra.main``, ``zen(...)``, ``hydra_zen.launch``). Whatever it builds -- callbacks, loggers,
-dataloaders, a second Trainer -- every rank builds the same. ``hydra_fsdp.HydraDDP()`` builds the
-strategy of the Lightning your program imported (``lightning.pytorch`` or ``pytorch_lightning``:
-a Trainer takes only its own); ``hydra_fsdp.lightning.*`` and ``hydra_fsdp.pytorch_lightning.*``
-name one explicitly.
-
-Arguments beyond Lightning's: ``rank_timeout`` (s, default 600), and ``module_key`` /
-``datamodule_key`` for the fallback below. ``MUSHIN_DDP_LAUNCH_DELAY`` (seconds, default 1, ``0``
-disables) is waited between two child starts. Child rank N writes to ``<job dir>/rank_N.log``.
-
-How
----
-At a job's first stage rank 0 saves, beside the job's config, what a child needs to stand where
-rank 0 stands (the task function, by reference as multiprocessing's spawn passes it; the
-``${now:...}`` values rank 0 resolved; Hydra's runtime config; working directory, ``sys.path``),
-binds a free port, splits the CPUs among the ranks as Lightning's launcher does, and starts each
-child rank -- in effect::
-
-    LOCAL_RANK=1 NODE_RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=<port> \\
-        python /path/to/hydra_fsdp.py <job dir>/.hydra/config.yaml
-
-but forked from the sweep's fork server, a process that imported torch, Lightning and Hydra
-once: a fresh process per rank per job, up in milliseconds. A child imports rank 0's script as
-``__mp_main__``, loads the config and calls the task function with it. Children and the process
-group live until Hydra ends the job; then rank 0 checks the children's exit codes. A failed rank
-fails its job, never the sweep. From a sweep's second job on, children are started already at
-Hydra's start of the job, and run the task function once rank 0 reaches a stage. A task function
-that cannot be pickled by reference (a lambda, a closure, one typed into an interactive session)
-cannot reach a child: children then instantiate the config's ``trainer`` and ``module`` (and
-``datamodule``) and run the stages rank 0 runs -- the fallback, said in one logged line.
-
-Before every stage, once the process group is up, the ranks compare what they are about to run
-(stage, callbacks, loggers, limits, module and its parameter shapes, data, checkpoint, config)
-and fail the job with the differences rather than deadlock on different collectives. Under
-torchrun or SLURM the engine starts every rank: the strategies spawn nothing, check the world
-size before the rendezvous, and compare the same way.
+=============================================  =========================================  ============================
+name                                           why                                        guard
+=============================================  =========================================  ============================
+``hydra.core.utils.run_job``'s frame locals    the running job's task function, config,   the four names checked
+(task_function, task_cfg, hydra_context, ret)  context and return: Hydra has no handle
+``hydra_context.callbacks.callbacks``          follow job ends without the user's config  a list, checked
+``HydraConfig.instance().cfg = ...``           a child's Hydra config (``set_config``     read back, checked
+                                               wants Hydra's schema, which plugins extend)
+``JobReturn._return_value``                    the failed job's error (the public getter  absent: the note is printed
+                                               prints Hydra's error line again)
+``distributed_c10d._world.group_count``        reset after a failed rendezvous            an int, checked
+TCPStore's cache of multi-tenant stores        a job's store never on an earlier port     none needed: no port reused
+``FSDPStrategy._setup_model``                  wrap on the CPU, once for all stages       overridden by FSDPStrategy
+``FSDPStrategy._state_dict_type``              full or sharded checkpoint                 "full"/"sharded", checked
+FSDP's ``_fsdp_wrapped_module`` name part      a pickled net's weights in the state dict  every parameter found
+Lightning's ``meta.pt`` in sharded checkpoints the rest of a sharded checkpoint           the file, checked
+``rank_zero_only.rank`` (no underscore, but    a forked child's rank                      the attribute, checked
+undocumented)
+=============================================  =========================================  ============================
 """
+
+__version__ = "0.2.0"
 
 import atexit
 import contextlib
@@ -154,6 +123,19 @@ class ChildRankError(RuntimeError):
     """A child rank failed, hung or was ended; its job fails, the sweep goes on."""
 
 
+# The versions of torch, Lightning and hydra-core CI ran (see the table of private names above).
+_KNOWN_TO_WORK = "torch 2.3 to 2.14, Lightning 2.2 to 2.6, hydra-core 1.3.0 to 1.3.8"
+
+
+def _upstream_changed(name: str, why: str) -> RankLaunchError:
+    """The error for a private name of torch, Lightning or Hydra that is not what it was."""
+    return RankLaunchError(
+        f"hydra_fsdp relies on {name}, private to its package, to {why}; the version installed here"
+        f" does not have it as expected. Known to work: {_KNOWN_TO_WORK}. Install one of those, or"
+        " adapt the copy of hydra_fsdp.py (its docstring lists every private name it uses)."
+    )
+
+
 # --------------------------------------------------------------------------- what rank 0 reads
 
 
@@ -182,12 +164,20 @@ def _hydra_job() -> Optional[dict]:
     """
     from hydra.core.utils import run_job
 
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code in (run_job.__code__, _run_child_rank.__code__):
-            return frame.f_locals
+    frame = inspect.currentframe()
+    while frame is not None and frame.f_code not in (run_job.__code__, _run_child_rank.__code__):
         frame = frame.f_back
-    return None
+    if frame is None:
+        return None
+    needed = {"task_function", "task_cfg"} | (
+        {"hydra_context", "ret"} if frame.f_code is run_job.__code__ else set()
+    )
+    if not needed <= frame.f_locals.keys():
+        raise _upstream_changed(
+            "the local variables of hydra.core.utils.run_job (task_function, task_cfg, hydra_context, ret)",
+            "find the running job's task function and config",
+        )
+    return frame.f_locals
 
 
 def _saved_config_path() -> Path:
@@ -230,7 +220,7 @@ def _resolved_where_possible(config: Any) -> Any:
         try:
             resolved[key] = _resolved_where_possible(config[key])
         except OmegaConfBaseException:
-            resolved[key] = config._get_node(key)._value()
+            resolved[key] = OmegaConf.to_container(config, resolve=False)[key]
     return resolved
 
 
@@ -568,6 +558,16 @@ def _serve_forks(imports: list) -> None:
     os._exit(0)  # nothing to clean up: finalizing torch would only cost rank 0 most of a second
 
 
+def _set_rank_zero_only(lightning: str, rank: int) -> None:
+    """Tell Lightning's ``rank_zero_only`` the rank, which it read at import, in the server."""
+    rank_zero_only = importlib.import_module(f"{lightning}.utilities.rank_zero").rank_zero_only
+    if not hasattr(rank_zero_only, "rank"):
+        raise _upstream_changed(
+            f"{lightning}.utilities.rank_zero.rank_zero_only.rank", "tell a child its rank"
+        )
+    rank_zero_only.rank = rank
+
+
 def _run_forked(request: dict, lightning: str, replies: int, sigint: Any) -> None:
     """In a process the fork server just forked: become the child rank ``request`` starts."""
     try:
@@ -585,8 +585,7 @@ def _run_forked(request: dict, lightning: str, replies: int, sigint: Any) -> Non
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
         # What a process started from scratch reads at start-up, read again in this job's environment.
-        rank_zero = importlib.import_module(f"{lightning}.utilities.rank_zero")
-        rank_zero.rank_zero_only.rank = int(os.environ["LOCAL_RANK"])
+        _set_rank_zero_only(lightning, int(os.environ["LOCAL_RANK"]))
         if "OMP_NUM_THREADS" in os.environ:
             torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
         if "numpy" in sys.modules:  # else every fork draws the server's numbers
@@ -742,7 +741,8 @@ class _Job:
                     job_return.status = JobStatus.FAILED
                     job_return.return_value = failure
             elif any(proc.poll() is None for proc in self.children.values()):
-                self.note_ended_children(job_return._return_value)  # rank 0 failed outside a stage
+                # rank 0 failed outside a stage; the public getter would print Hydra's error line again
+                self.note_ended_children(getattr(job_return, "_return_value", None))
         finally:
             self.close()
 
@@ -879,7 +879,11 @@ class _FollowHydra(Callback):
 
 def _follow_hydra(hydra_context: Any) -> _FollowHydra:
     # Hydra's Callbacks object (private) is the only way to its job ends without the user's config.
-    callbacks = hydra_context.callbacks.callbacks
+    callbacks = getattr(getattr(hydra_context, "callbacks", None), "callbacks", None)
+    if not isinstance(callbacks, list):
+        raise _upstream_changed(
+            "hydra_context.callbacks.callbacks, a list", "follow the ends of Hydra's jobs"
+        )
     follower = next((callback for callback in callbacks if isinstance(callback, _FollowHydra)), None)
     if follower is None:
         follower = _FollowHydra()
@@ -970,7 +974,12 @@ def _destroy_process_group() -> None:
     # An init_process_group that failed (a rank died during the rendezvous) counted a group it never
     # made, and torch names the next default group by that count (private: nothing public resets
     # it): the next job's rank 0 would wait for keys of group "1" while its fresh children write "0".
-    torch.distributed.distributed_c10d._world.group_count = 0
+    world = getattr(torch.distributed.distributed_c10d, "_world", None)
+    if not isinstance(getattr(world, "group_count", None), int):
+        raise _upstream_changed(
+            "torch.distributed.distributed_c10d._world.group_count", "reset torch's count of process groups"
+        )
+    world.group_count = 0
 
 
 def _end_process_groups_at_exit() -> None:
@@ -1201,8 +1210,9 @@ class _HydraStrategy:
         self._config_keys = {"module_key": module_key, "datamodule_key": datamodule_key}
         self._stage_ckpt_path: Any = None
 
-    def _configure_launcher(self) -> None:
-        self._launcher = _HydraRankLauncher(self)
+    @property
+    def launcher(self) -> "_HydraRankLauncher":
+        return _HydraRankLauncher(self)
 
     def __repr__(self) -> str:
         # A Trainer of the other namespace refuses the strategy naming it by its repr: say which it is.
@@ -1241,6 +1251,13 @@ class _HydraFSDP(_HydraStrategy):
     """
 
     _sharded: Optional[torch.nn.Module] = None  # the FSDP wrapper of the module of the last stage
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if getattr(self, "_state_dict_type", None) not in ("full", "sharded"):
+            raise _upstream_changed(
+                "FSDPStrategy._state_dict_type", "tell full checkpoints from sharded ones"
+            )
 
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         # A module sharded by an earlier stage (fit, then test) keeps its wrapper: Lightning would
@@ -1321,6 +1338,7 @@ class _HydraFSDP(_HydraStrategy):
         fitting = self.lightning_module.trainer.state.fn == "fit"
         strict = getattr(self.lightning_module, "strict_loading", True)
         if path.is_dir():
+            metadata = _metadata_file(path)
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
 
@@ -1334,7 +1352,7 @@ class _HydraFSDP(_HydraStrategy):
                         state["model"], key, dcp.FileSystemReader(path)
                     )[key]
                     self._load_optimizer(optimizer, {"state": {}, **saved})
-            return torch.load(path / "meta.pt", weights_only=weights_only)  # the rest, as Lightning saved it
+            return torch.load(metadata, weights_only=weights_only)
         checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
         with _full_state_dict_in_place(self.model, rank0_only=False):
             states = checkpoint.get("optimizer_states") if fitting else None
@@ -1371,8 +1389,30 @@ class _HydraFSDP(_HydraStrategy):
             )
         )
 
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        if not self._full_state_dict_on_cpu():
+            return super().optimizer_state(optimizer)
+        from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType
+
+        optimizer = getattr(optimizer, "optimizer", optimizer)  # unwrap a LightningOptimizer
+        with _full_state_dict_in_place(self.model):
+            state = FullyShardedDataParallel.optim_state_dict(self.model, optimizer)
+        if self.global_rank == 0:
+            state = FullyShardedDataParallel.rekey_optim_state_dict(
+                state, OptimStateKeyType.PARAM_ID, self.model
+            )
+        return state
+
     def _full_state_dict_on_cpu(self) -> bool:
         return self._state_dict_type == "full" and self.root_device.type == "cpu"
+
+
+def _metadata_file(checkpoint: Path) -> Path:
+    """What Lightning saves of a sharded checkpoint besides its shards: loops, callbacks, hparams."""
+    path = checkpoint / "meta.pt"
+    if not path.is_file():
+        raise _upstream_changed(f"the name of Lightning's {path}", "load what a sharded checkpoint holds")
+    return path
 
 
 def _modules_in(value: Any) -> list:
@@ -1400,11 +1440,12 @@ def _holding(modules: list, state_dict: dict, root: torch.nn.Module) -> Any:
                     setattr(parent, key, child.module)
         names = {id(module): _unwrapped_name(name) for name, module in root.named_modules()}
         for module in modules:
-            for name, parameter in module.named_parameters() if id(module) in names else ():
+            for name, parameter in module.named_parameters() if id(module) in names and state_dict else ():
                 key = ".".join(filter(None, (names[id(module)], _unwrapped_name(name))))
-                if key in state_dict:
-                    undo.append(functools.partial(setattr, parameter, "data", parameter.data))
-                    parameter.data = state_dict[key]
+                if key not in state_dict:
+                    raise _upstream_changed(f"FSDP's name for a wrapped module ({key!r})", "find its weights")
+                undo.append(functools.partial(setattr, parameter, "data", parameter.data))
+                parameter.data = state_dict[key]
         yield
     finally:
         for step in reversed(undo):
@@ -1449,6 +1490,15 @@ def _strategies_for(namespace: str) -> types.SimpleNamespace:
             f"hydra_fsdp.{namespace} needs the {_PIP_NAMES[namespace]} package, which is not installed:"
             f" pip install {_PIP_NAMES[namespace]}."
         ) from error
+
+    setup_model = getattr(lightning.strategies.FSDPStrategy, "_setup_model", None)
+    if not callable(setup_model) or setup_model is getattr(
+        lightning.strategies.Strategy, "_setup_model", None
+    ):
+        raise _upstream_changed(
+            f"{_NAMESPACES[namespace]}.strategies.FSDPStrategy._setup_model",
+            "wrap the module on the CPU and once for all of a job's stages",
+        )
 
     def build(name: str, mixin: type, base: type) -> type:
         attributes = {"__module__": __name__, "__qualname__": f"{namespace}.{name}", "__doc__": mixin.__doc__}
@@ -1524,9 +1574,7 @@ def _run_child_rank(config_path: str) -> None:
     os.chdir(launch["cwd"])
     _import_launching_script(launch["main"])
     setup_globals()  # Hydra's resolvers: ${hydra:...}, ${now:...}
-    hydra_cfg = OmegaConf.create({"hydra": launch["hydra"]})
-    OmegaConf.set_readonly(hydra_cfg, True)
-    HydraConfig.instance().cfg = hydra_cfg
+    _set_hydra_config(launch["hydra"])
     task_cfg = OmegaConf.load(config_path)
     OmegaConf.set_cache(task_cfg, launch["cache"])  # rank 0's ${now:...} values
     OmegaConf.set_struct(task_cfg, launch["struct"])
@@ -1547,6 +1595,15 @@ def _run_child_rank(config_path: str) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)
+
+
+def _set_hydra_config(hydra: dict) -> None:
+    """Make rank 0's resolved Hydra config this process's ``HydraConfig``, read-only as Hydra's."""
+    hydra_cfg = OmegaConf.create({"hydra": hydra})
+    OmegaConf.set_readonly(hydra_cfg, True)
+    HydraConfig.instance().cfg = hydra_cfg  # set_config() wants Hydra's schema, which plugins extend
+    if not HydraConfig.initialized() or HydraConfig.get() is not hydra_cfg.hydra:
+        raise _upstream_changed("HydraConfig.instance().cfg", "give the child rank the job's Hydra config")
 
 
 def _run_config_contract(task_cfg: DictConfig, module_key: str, datamodule_key: str) -> None:

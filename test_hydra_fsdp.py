@@ -8,6 +8,7 @@ import pickle
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import NamedTuple, Optional
 from unittest import mock
 
@@ -371,3 +372,91 @@ except Exception as error:
     )
     assert "hydra_fsdp.lightning.HydraDDP for a lightning.pytorch.Trainer" in out, out
     assert "hydra_fsdp.pytorch_lightning.HydraDDP for a pytorch_lightning.Trainer" in out, out
+
+
+# --------------------------------------------------------------------------- private names, guarded
+# Each test simulates the change upstream that its guard is for: a clear error, never a hang.
+
+UPSTREAM_CHANGED = r"private to its package.*Known to work: torch"
+
+
+def test_guard_run_job_locals(monkeypatch):
+    def run_job(task, config):  # a Hydra whose run_job names its locals otherwise
+        return hydra_fsdp._hydra_job()
+
+    monkeypatch.setattr(hydra.core.utils, "run_job", run_job)
+    with pytest.raises(
+        RankLaunchError, match="local variables of hydra.core.utils.run_job.*" + UPSTREAM_CHANGED
+    ):
+        run_job(fit_task, None)
+
+
+def test_guard_hydra_callbacks_list():
+    hydra_context = SimpleNamespace(callbacks=SimpleNamespace(callback_list=[]))  # renamed upstream
+    with pytest.raises(RankLaunchError, match=r"hydra_context\.callbacks\.callbacks.*" + UPSTREAM_CHANGED):
+        hydra_fsdp._follow_hydra(hydra_context)
+
+
+def test_guard_hydra_config_assignment(monkeypatch):
+    monkeypatch.setattr(hydra_fsdp.HydraConfig, "get", staticmethod(lambda: None))  # reads elsewhere now
+    with pytest.raises(RankLaunchError, match=r"HydraConfig\.instance\(\)\.cfg.*" + UPSTREAM_CHANGED):
+        hydra_fsdp._set_hydra_config({"runtime": {"output_dir": "/tmp"}})
+
+
+def test_guard_job_return_value(capsys):
+    """JobReturn._return_value gone: the note on the ended children is printed, not attached."""
+    hydra_fsdp._add_note(None, "Rank 0 failed while these child ranks were still running")
+    assert "child ranks were still running" in capsys.readouterr().err
+
+
+def test_guard_torch_group_count(monkeypatch):
+    monkeypatch.setattr(torch.distributed.distributed_c10d, "_world", SimpleNamespace(default_pg=None))
+    with pytest.raises(RankLaunchError, match=r"_world\.group_count.*" + UPSTREAM_CHANGED):
+        hydra_fsdp._destroy_process_group()
+
+
+def test_guard_lightning_setup_model(monkeypatch):
+    monkeypatch.delattr(
+        pl.strategies.FSDPStrategy, "_setup_model"
+    )  # Strategy's own, which wraps nothing, left
+    with pytest.raises(RankLaunchError, match=r"FSDPStrategy\._setup_model.*" + UPSTREAM_CHANGED):
+        hydra_fsdp._strategies_for.__wrapped__("pytorch_lightning")
+
+
+def test_guard_lightning_state_dict_type(monkeypatch):
+    init = pl.strategies.FSDPStrategy.__init__
+
+    def renamed(self, *args, state_dict_type="full", **kwargs):
+        init(self, *args, state_dict_type=state_dict_type, **kwargs)
+        self.checkpoint_layout = self.__dict__.pop("_state_dict_type")
+
+    monkeypatch.setattr(pl.strategies.FSDPStrategy, "__init__", renamed)
+    with pytest.raises(RankLaunchError, match=r"FSDPStrategy\._state_dict_type.*" + UPSTREAM_CHANGED):
+        hydra_fsdp.pytorch_lightning.HydraFSDP()
+
+
+def test_guard_lightning_rank_zero_only(monkeypatch):
+    monkeypatch.delattr(pl.utilities.rank_zero.rank_zero_only, "rank")
+    with pytest.raises(RankLaunchError, match=r"rank_zero_only\.rank.*" + UPSTREAM_CHANGED):
+        hydra_fsdp._set_rank_zero_only("pytorch_lightning", 1)
+
+
+def test_guard_lightning_sharded_metadata_name(tmp_path):
+    (tmp_path / "meta.pth").write_bytes(b"")  # renamed upstream
+    with pytest.raises(RankLaunchError, match=r"meta\.pt.*" + UPSTREAM_CHANGED):
+        hydra_fsdp._metadata_file(tmp_path)
+
+
+def test_guard_fsdp_wrapped_module_name():
+    """A parameter of the hyperparameters' net that the state dict has under no name FSDP would give
+    it (FSDP's wrapper name changed): the save fails, rather than pickle rank 0's shard silently."""
+    net = torch.nn.Linear(2, 1)
+    root = torch.nn.ModuleDict({"net": net})
+    state_dict = {"net._fsdp_v2_wrapped.weight": net.weight, "net._fsdp_v2_wrapped.bias": net.bias}
+    with pytest.raises(RankLaunchError, match=r"FSDP's name for a wrapped module.*" + UPSTREAM_CHANGED):
+        with hydra_fsdp._holding([net], state_dict, root):
+            pass
+    full = {"net.weight": torch.ones(1, 2), "net.bias": torch.zeros(1)}
+    with hydra_fsdp._holding([net], full, root):
+        assert torch.equal(net.weight, full["net.weight"])
+    assert not torch.equal(net.weight.data, full["net.weight"]), "the module's own tensors are back"

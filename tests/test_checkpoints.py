@@ -97,6 +97,22 @@ def project(tmp_path_factory):
     return root
 
 
+UNINTERRUPTED = {
+    (trainer, "net"): job for job, trainer in enumerate(("ddp", "fsdp", "fsdp_sharded", "fsdp_wrapped"))
+}
+UNINTERRUPTED[("fsdp", "tiny")] = len(UNINTERRUPTED)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(project):
+    """Three epochs in one fit, for the resumed fits (two, then one more) to be compared with."""
+    ok(script(project, "train", "hydra.sweep.dir=uninterrupted", "trainer=ddp,fsdp,fsdp_sharded,fsdp_wrapped",
+              "model=net", "trainer.max_epochs=3", "test=false", multirun=True))  # fmt: skip
+    ok(script(project, "train", f"hydra.run.dir=uninterrupted/{UNINTERRUPTED['fsdp', 'tiny']}", "trainer=fsdp",
+              "model=tiny", "trainer.max_epochs=3", "test=false"))  # fmt: skip
+    return project / "uninterrupted"
+
+
 def checkpoint(project, trainer, model, name="last.ckpt"):
     return project / "sweep" / str(JOBS[trainer, model]) / "checkpoints" / name
 
@@ -156,7 +172,7 @@ def test_validate_test_predict_load_what_fit_wrote(project, trainer):
         ("fsdp_wrapped", "net", "ddp", 2),
     ],
 )
-def test_resume_fit(project, written_by, model, resumed_by, devices):
+def test_resume_fit(project, uninterrupted, written_by, model, resumed_by, devices):
     """fit(ckpt_path=last): the weights, epoch and step of the checkpoint, and training goes on."""
     source = checkpoint(project, written_by, model)
     run_dir = f"resume_{written_by}_{model}_{resumed_by}_{devices}"
@@ -167,6 +183,9 @@ def test_resume_fit(project, written_by, model, resumed_by, devices):
     fitted = records(project / run_dir, "fit")
     assert {rank["epoch"] for rank in fitted.values()} == {3}
     assert len({rank["weight_sum"] for rank in fitted.values()}) == 1
+    if devices == 2:  # the optimizer's state was restored too: as if fit had never stopped
+        reference = records(uninterrupted / str(UNINTERRUPTED[resumed_by, model]), "fit")[0]
+        assert fitted[0]["weight_sum"] == pytest.approx(reference["weight_sum"], rel=1e-6)
 
 
 def test_eval_run_on_1_2_3_ranks_and_across_strategies(project):

@@ -101,3 +101,6 @@ class NetLitModule(_RecordingModule):
         super().__init__()
         self.save_hyperparameters(logger=False)
         self.net = net
+
+    def configure_optimizers(self):  # the template's Adam: a state per parameter, unlike plain SGD
+        return torch.optim.Adam(self.trainer.model.parameters(), lr=self.hparams.lr / 100)
