@@ -1205,8 +1205,19 @@ class _HydraStrategy:
         datamodule_key: str = "datamodule",
         **kwargs: Any,
     ) -> None:
+        if (
+            isinstance(rank_timeout, bool)
+            or not isinstance(rank_timeout, (int, float))
+            or not rank_timeout > 0
+        ):
+            raise ValueError(
+                f"rank_timeout={rank_timeout!r}: expected a number of seconds > 0 (default {DEFAULT_RANK_TIMEOUT:g})."
+            )
+        for name, key in (("module_key", module_key), ("datamodule_key", datamodule_key)):
+            if not isinstance(key, str) or not key:
+                raise ValueError(f"{name}={key!r}: expected the non-empty name of a key of the job's config.")
         super().__init__(*args, **kwargs)
-        self.rank_timeout = rank_timeout
+        self.rank_timeout = float(rank_timeout)
         self._config_keys = {"module_key": module_key, "datamodule_key": datamodule_key}
         self._stage_ckpt_path: Any = None
 

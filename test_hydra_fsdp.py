@@ -5,6 +5,7 @@ import functools
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -460,3 +461,24 @@ def test_guard_fsdp_wrapped_module_name():
     with hydra_fsdp._holding([net], full, root):
         assert torch.equal(net.weight, full["net.weight"])
     assert not torch.equal(net.weight.data, full["net.weight"]), "the module's own tensors are back"
+
+
+@pytest.mark.parametrize(
+    "arguments, named",
+    [
+        ({"rank_timeout": "abc"}, "rank_timeout='abc'"),
+        ({"rank_timeout": -5}, "rank_timeout=-5"),
+        ({"rank_timeout": 0}, "rank_timeout=0"),
+        ({"rank_timeout": float("nan")}, "rank_timeout=nan"),
+        ({"module_key": ""}, "module_key=''"),
+        ({"datamodule_key": None}, "datamodule_key=None"),
+    ],
+)
+@pytest.mark.parametrize("strategy", [HydraDDP, HydraFSDP])
+def test_bad_strategy_arguments_fail_at_construction_naming_them(strategy, arguments, named):
+    with pytest.raises(ValueError, match=re.escape(named)):
+        strategy(**arguments)
+
+
+def test_rank_timeout_from_yaml_may_be_an_int():
+    assert HydraDDP(rank_timeout=30).rank_timeout == 30.0

@@ -147,7 +147,7 @@ def alive(pid):
     # a zombie is gone for our purposes: it holds no port and no memory
     try:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # reaped between the two looks
         return False
 
 
