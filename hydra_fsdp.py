@@ -1217,7 +1217,7 @@ class _HydraStrategy:
             if not isinstance(key, str) or not key:
                 raise ValueError(f"{name}={key!r}: expected the non-empty name of a key of the job's config.")
         super().__init__(*args, **kwargs)
-        self.rank_timeout = float(rank_timeout)
+        self.rank_timeout = rank_timeout
         self._config_keys = {"module_key": module_key, "datamodule_key": datamodule_key}
         self._stage_ckpt_path: Any = None
 

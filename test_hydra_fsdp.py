@@ -481,4 +481,4 @@ def test_bad_strategy_arguments_fail_at_construction_naming_them(strategy, argum
 
 
 def test_rank_timeout_from_yaml_may_be_an_int():
-    assert HydraDDP(rank_timeout=30).rank_timeout == 30.0
+    assert HydraDDP(rank_timeout=30).rank_timeout == 30
