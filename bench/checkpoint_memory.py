@@ -119,6 +119,15 @@ def main() -> None:
                 f"  repeat {repeat} {name}: exit {result['code']}, peak {result['peak_mib']:.0f} MiB",
                 flush=True,
             )
+    for kind in ("", ", net"):
+        added = [
+            run["peak_mib"] - base["peak_mib"]
+            for run, base in zip(results[f"hydra_fsdp{kind}"], results[f"no checkpoint{kind}"])
+        ]
+        print(
+            f"hydra_fsdp{kind}: the load adds {statistics.median(added):.0f} MiB to the run without one"
+            f" (median; {min(added):.0f} to {max(added):.0f})"
+        )
     print(
         f"\npeak PSS summed over the run's processes, MiB: median (range) of {args.repeats}; ratio per repeat"
     )
