@@ -1198,6 +1198,55 @@ def _shown(value: Any) -> str:
 # --------------------------------------------------------------------------- the strategies
 
 
+# The oldest releases this file runs on, as pyproject.toml declares them: a copy of the file in
+# someone's project never sees pyproject.toml, so the strategies check when they are built.
+_MINIMUM_VERSIONS = {"torch": "2.3", "hydra-core": "1.3.0", "lightning": "2.2"}
+# Lightning refuses FSDP without a GPU before 2.3.0 ("GPU accelerator is not used").
+_FSDP_ON_CPU_LIGHTNING = "2.3.0"
+
+
+def _release(version: str) -> tuple:
+    """The release numbers of a version string: "2.3.0+cu121" and "2.2.0.post0" give (2, 3, 0), (2, 2, 0)."""
+    match = re.match(r"\d+(\.\d+)*", str(version))
+    return tuple(int(part) for part in match.group().split(".")) if match else ()
+
+
+def _check_versions(lightning: types.ModuleType, fsdp: bool) -> None:
+    """Refuse to build a strategy on releases older than it runs on, naming what is needed."""
+    import hydra
+
+    lightning_name = _PIP_NAMES[
+        "lightning" if lightning.__name__.startswith("lightning") else "pytorch_lightning"
+    ]
+    found = {
+        "torch": torch.__version__,
+        "hydra-core": hydra.__version__,
+        lightning_name: getattr(lightning, "__version__", None)
+        or sys.modules[lightning.__name__.split(".")[0]].__version__,
+    }
+    needed = dict(_MINIMUM_VERSIONS)
+    needed[lightning_name] = needed.pop("lightning")
+    too_old = [name for name, version in found.items() if _release(version) < _release(needed[name])]
+    if too_old:
+        raise ImportError(
+            "hydra_fsdp needs "
+            + ", ".join(f"{name}>={needed[name]} (found {found[name]})" for name in too_old)
+            + ": pip install "
+            + " ".join(f"'{name}>={needed[name]}'" for name in too_old)
+            + "."
+        )
+    if (
+        fsdp
+        and _release(found[lightning_name]) < _release(_FSDP_ON_CPU_LIGHTNING)
+        and not torch.cuda.is_available()
+    ):
+        raise ImportError(
+            f"HydraFSDP without a GPU needs {lightning_name}>={_FSDP_ON_CPU_LIGHTNING} (found"
+            f" {found[lightning_name]}, which refuses FSDP on the CPU): pip install"
+            f" '{lightning_name}>={_FSDP_ON_CPU_LIGHTNING}', or use HydraDDP."
+        )
+
+
 class _HydraStrategy:
     """What HydraDDP and HydraFSDP share: the launcher, the rank agreement, process group cleanup.
 
@@ -1215,6 +1264,7 @@ class _HydraStrategy:
         datamodule_key: str = "datamodule",
         **kwargs: Any,
     ) -> None:
+        _check_versions(self._lightning, fsdp=isinstance(self, self._lightning.strategies.FSDPStrategy))
         super().__init__(*args, **kwargs)
         self.rank_timeout = rank_timeout
         self._config_keys = {"module_key": module_key, "datamodule_key": datamodule_key}

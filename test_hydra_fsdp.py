@@ -5,6 +5,7 @@ import functools
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,16 @@ from hydra_zen import builds, launch, make_config, zen
 
 import hydra_fsdp
 from hydra_fsdp import ChildRankError, HydraDDP, HydraFSDP, RankLaunchError
+
+
+# Lightning before 2.3.0 refuses FSDP without a GPU, and HydraFSDP then refuses to be built.
+FSDP_ON_CPU = torch.cuda.is_available() or hydra_fsdp._release(pl.__version__) >= hydra_fsdp._release(
+    hydra_fsdp._FSDP_ON_CPU_LIGHTNING
+)
+needs_fsdp_on_cpu = pytest.mark.skipif(
+    not FSDP_ON_CPU,
+    reason=f"Lightning {pl.__version__} refuses FSDP without a GPU: HydraFSDP refuses to be built (tested)",
+)
 
 
 class _StopAfterSpawn(ChildRankError):
@@ -91,7 +102,7 @@ class Launched(NamedTuple):
     error: Optional[BaseException]
 
 
-@pytest.mark.parametrize("strategy", [HydraDDP, HydraFSDP])
+@pytest.mark.parametrize("strategy", [HydraDDP, pytest.param(HydraFSDP, marks=needs_fsdp_on_cpu)])
 def test_rank_launch_command_env_cwd_and_stagger(tmp_path, strategy):
     run = launch_with_mocked_children(tmp_path, strategy, devices=3, env={hydra_fsdp.LAUNCH_DELAY_ENV: "2.5"})
     assert isinstance(run.error, _StopAfterSpawn)
@@ -175,7 +186,9 @@ def test_bad_stagger_fails_before_any_start(tmp_path, value):
 
 
 def test_missing_saved_config_fails_before_any_start(tmp_path):
-    run = launch_with_mocked_children(tmp_path, HydraFSDP, overrides=["hydra.output_subdir=null"])
+    run = launch_with_mocked_children(
+        tmp_path, HydraFSDP if FSDP_ON_CPU else HydraDDP, overrides=["hydra.output_subdir=null"]
+    )
     assert isinstance(run.error, RankLaunchError)
     assert "hydra.output_subdir is null" in str(run.error)
     run.start.assert_not_called()
@@ -285,7 +298,7 @@ def test_a_job_store_is_never_on_a_port_an_earlier_job_had():
         return real_store(address, port, **dict(kwargs, multi_tenant=False))
 
     again = on_that_port_again("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    with pytest.raises(torch.distributed.DistNetworkError, match="EADDRINUSE"):
+    with pytest.raises(torch.distributed.DistNetworkError, match="EADDRINUSE|Address already in use"):
         real_store("127.0.0.1", port, is_master=True, multi_tenant=True)  # as init_process_group looks
     del again
 
@@ -346,16 +359,16 @@ def python(code):
 def test_plain_names_build_the_strategy_of_the_lightning_in_use(lightning, namespace):
     out = python(f"""
 import pickle, sys, {lightning} as L, hydra_fsdp
-for name in ("HydraDDP", "HydraFSDP"):
+for name in ("HydraDDP", "HydraFSDP") if {FSDP_ON_CPU} else ("HydraDDP",):
     strategy = getattr(hydra_fsdp, name)(rank_timeout=5)
     L.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)  # its Trainer takes it
     copy = pickle.loads(pickle.dumps(strategy))
     print(type(strategy).__qualname__, isinstance(strategy, getattr(hydra_fsdp, name)),
           type(copy) is type(strategy), copy.rank_timeout)
-print(isinstance(hydra_fsdp.HydraFSDP(), hydra_fsdp.HydraDDP), sorted(m for m in ("lightning", "pytorch_lightning") if m in sys.modules))
+print(isinstance(hydra_fsdp.HydraFSDP() if {FSDP_ON_CPU} else object(), hydra_fsdp.HydraDDP), sorted(m for m in ("lightning", "pytorch_lightning") if m in sys.modules))
 """)
-    assert out == [f"{namespace}.HydraDDP", "True", "True", "5",
-                   f"{namespace}.HydraFSDP", "True", "True", "5",
+    fsdp = [f"{namespace}.HydraFSDP", "True", "True", "5"] if FSDP_ON_CPU else []
+    assert out == [f"{namespace}.HydraDDP", "True", "True", "5", *fsdp,
                    "False", f"['{lightning.split('.')[0]}']"]  # fmt: skip
 
 
@@ -371,3 +384,41 @@ except Exception as error:
     )
     assert "hydra_fsdp.lightning.HydraDDP for a lightning.pytorch.Trainer" in out, out
     assert "hydra_fsdp.pytorch_lightning.HydraDDP for a pytorch_lightning.Trainer" in out, out
+
+
+# --------------------------------------------------------------------------- the releases it runs on
+
+
+@pytest.mark.parametrize(
+    "module, name, old, needed",
+    [(torch, "torch", "2.2.2+cpu", "torch>=2.3"), (hydra, "hydra-core", "1.2.0", "hydra-core>=1.3.0"),
+     (pl, "pytorch-lightning", "2.1.4", "pytorch-lightning>=2.2")],
+)  # fmt: skip
+@pytest.mark.parametrize("strategy", ["HydraDDP", "HydraFSDP"])
+def test_a_release_older_than_the_minimum_is_refused_naming_it(
+    monkeypatch, module, name, old, needed, strategy
+):
+    monkeypatch.setattr(module, "__version__", old)
+    with pytest.raises(
+        ImportError,
+        match=re.escape(f"needs {needed} (found {old})") + ".*" + re.escape(f"pip install '{needed}'"),
+    ):
+        getattr(hydra_fsdp.pytorch_lightning, strategy)()
+
+
+def test_versions_are_read_by_their_release_numbers():
+    assert hydra_fsdp._release("2.3.0+cu121") == (2, 3, 0) >= hydra_fsdp._release("2.3")
+    assert hydra_fsdp._release("2.2.0.post0") == (2, 2, 0) < hydra_fsdp._release("2.10")
+    assert hydra_fsdp._release("1.3.0.dev2") >= hydra_fsdp._release("1.3.0")
+
+
+def test_fsdp_without_a_gpu_on_a_lightning_that_refuses_it_names_the_release_needed(monkeypatch):
+    monkeypatch.setattr(pl, "__version__", "2.2.5")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(
+        ImportError, match=r"HydraFSDP without a GPU needs pytorch-lightning>=2\.3\.0 \(found 2\.2\.5"
+    ):
+        hydra_fsdp.pytorch_lightning.HydraFSDP()
+    hydra_fsdp.pytorch_lightning.HydraDDP()  # DDP runs on the CPU there
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    hydra_fsdp.pytorch_lightning.HydraFSDP()  # and FSDP on a GPU
