@@ -422,3 +422,18 @@ def test_fsdp_without_a_gpu_on_a_lightning_that_refuses_it_names_the_release_nee
     hydra_fsdp.pytorch_lightning.HydraDDP()  # DDP runs on the CPU there
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     hydra_fsdp.pytorch_lightning.HydraFSDP()  # and FSDP on a GPU
+
+
+def test_the_floors_agree_in_pyproject_the_floor_stack_and_the_module():
+    """pyproject.toml's floors are what .ci/floor.txt pins (CI runs them) and what the module checks."""
+    root = Path(__file__).parent
+    release = hydra_fsdp._release
+    declared = {
+        n: release(v) for n, v in re.findall(r'"([a-z-]+)>=([\d.]+)', (root / "pyproject.toml").read_text())
+    }
+    floor = (root / ".ci" / "floor.txt").read_text()
+    pinned = {n: release(v) for n, v in re.findall(r"^([A-Za-z_-]+)==([\d.]+)", floor, re.M)}
+    for name in ("torch", "pytorch-lightning", "lightning", "hydra-core", "hydra-zen", "pytest"):
+        assert pinned[name][: len(declared[name])] == declared[name], name
+    for name, minimum in hydra_fsdp._MINIMUM_VERSIONS.items():
+        assert declared[name] == release(minimum)[: len(declared[name])], name
