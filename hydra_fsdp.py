@@ -715,6 +715,10 @@ class _Job:
 
     def failed(self, error: BaseException) -> BaseException:
         """The error a stage that raised on rank 0 fails the job with; the children are ended."""
+        if self.signal_received is None and isinstance(error, KeyboardInterrupt):
+            # Ctrl-C, its handler first to run: the same stop as the signal thread's. (Lightning before
+            # 2.3 swallows a KeyboardInterrupt, and the sweep would go on to its next job.)
+            self.signal_received = signal.SIGINT
         if self.signal_received is not None:
             error = SystemExit(128 + self.signal_received)
         elif not isinstance(error, (ChildRankError, RankLaunchError, KeyboardInterrupt, SystemExit)):

@@ -6,6 +6,7 @@ import json
 import os
 import pickle
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -437,3 +438,12 @@ def test_the_floors_agree_in_pyproject_the_floor_stack_and_the_module():
         assert pinned[name][: len(declared[name])] == declared[name], name
     for name, minimum in hydra_fsdp._MINIMUM_VERSIONS.items():
         assert declared[name] == release(minimum)[: len(declared[name])], name
+
+
+def test_a_keyboard_interrupt_in_a_stage_stops_the_sweep_as_sigint_does():
+    # Ctrl-C's handler can run before the signal thread sees it; Lightning < 2.3 then swallows the
+    # KeyboardInterrupt, and without this the sweep went on to its next job
+    job = mock.Mock(signal_received=None)
+    error = hydra_fsdp._Job.failed(job, KeyboardInterrupt())
+    assert isinstance(error, SystemExit) and error.code == 128 + signal.SIGINT
+    job.end.assert_called_once_with()
