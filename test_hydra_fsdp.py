@@ -6,6 +6,7 @@ import json
 import os
 import pickle
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,16 @@ from hydra_zen import builds, launch, make_config, zen
 
 import hydra_fsdp
 from hydra_fsdp import ChildRankError, HydraDDP, HydraFSDP, RankLaunchError
+
+
+# Lightning before 2.3.0 refuses FSDP without a GPU, and HydraFSDP then refuses to be built.
+FSDP_ON_CPU = torch.cuda.is_available() or hydra_fsdp._release(pl.__version__) >= hydra_fsdp._release(
+    hydra_fsdp._FSDP_ON_CPU_LIGHTNING
+)
+needs_fsdp_on_cpu = pytest.mark.skipif(
+    not FSDP_ON_CPU,
+    reason=f"Lightning {pl.__version__} refuses FSDP without a GPU: HydraFSDP refuses to be built (tested)",
+)
 
 
 class _StopAfterSpawn(ChildRankError):
@@ -93,7 +104,7 @@ class Launched(NamedTuple):
     error: Optional[BaseException]
 
 
-@pytest.mark.parametrize("strategy", [HydraDDP, HydraFSDP])
+@pytest.mark.parametrize("strategy", [HydraDDP, pytest.param(HydraFSDP, marks=needs_fsdp_on_cpu)])
 def test_rank_launch_command_env_cwd_and_stagger(tmp_path, strategy):
     run = launch_with_mocked_children(tmp_path, strategy, devices=3, env={hydra_fsdp.LAUNCH_DELAY_ENV: "2.5"})
     assert isinstance(run.error, _StopAfterSpawn)
@@ -177,7 +188,9 @@ def test_bad_stagger_fails_before_any_start(tmp_path, value):
 
 
 def test_missing_saved_config_fails_before_any_start(tmp_path):
-    run = launch_with_mocked_children(tmp_path, HydraFSDP, overrides=["hydra.output_subdir=null"])
+    run = launch_with_mocked_children(
+        tmp_path, HydraFSDP if FSDP_ON_CPU else HydraDDP, overrides=["hydra.output_subdir=null"]
+    )
     assert isinstance(run.error, RankLaunchError)
     assert "hydra.output_subdir is null" in str(run.error)
     run.start.assert_not_called()
@@ -287,7 +300,7 @@ def test_a_job_store_is_never_on_a_port_an_earlier_job_had():
         return real_store(address, port, **dict(kwargs, multi_tenant=False))
 
     again = on_that_port_again("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    with pytest.raises(torch.distributed.DistNetworkError, match="EADDRINUSE"):
+    with pytest.raises(torch.distributed.DistNetworkError, match="EADDRINUSE|Address already in use"):
         real_store("127.0.0.1", port, is_master=True, multi_tenant=True)  # as init_process_group looks
     del again
 
@@ -348,16 +361,16 @@ def python(code):
 def test_plain_names_build_the_strategy_of_the_lightning_in_use(lightning, namespace):
     out = python(f"""
 import pickle, sys, {lightning} as L, hydra_fsdp
-for name in ("HydraDDP", "HydraFSDP"):
+for name in ("HydraDDP", "HydraFSDP") if {FSDP_ON_CPU} else ("HydraDDP",):
     strategy = getattr(hydra_fsdp, name)(rank_timeout=5)
     L.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)  # its Trainer takes it
     copy = pickle.loads(pickle.dumps(strategy))
     print(type(strategy).__qualname__, isinstance(strategy, getattr(hydra_fsdp, name)),
           type(copy) is type(strategy), copy.rank_timeout)
-print(isinstance(hydra_fsdp.HydraFSDP(), hydra_fsdp.HydraDDP), sorted(m for m in ("lightning", "pytorch_lightning") if m in sys.modules))
+print(isinstance(hydra_fsdp.HydraFSDP() if {FSDP_ON_CPU} else object(), hydra_fsdp.HydraDDP), sorted(m for m in ("lightning", "pytorch_lightning") if m in sys.modules))
 """)
-    assert out == [f"{namespace}.HydraDDP", "True", "True", "5",
-                   f"{namespace}.HydraFSDP", "True", "True", "5",
+    fsdp = [f"{namespace}.HydraFSDP", "True", "True", "5"] if FSDP_ON_CPU else []
+    assert out == [f"{namespace}.HydraDDP", "True", "True", "5", *fsdp,
                    "False", f"['{lightning.split('.')[0]}']"]  # fmt: skip
 
 
@@ -482,3 +495,65 @@ def test_bad_strategy_arguments_fail_at_construction_naming_them(strategy, argum
 
 def test_rank_timeout_from_yaml_may_be_an_int():
     assert HydraDDP(rank_timeout=30).rank_timeout == 30
+
+
+# --------------------------------------------------------------------------- the releases it runs on
+
+
+@pytest.mark.parametrize(
+    "module, name, old, needed",
+    [(torch, "torch", "2.2.2+cpu", "torch>=2.3"), (hydra, "hydra-core", "1.2.0", "hydra-core>=1.3.0"),
+     (pl, "pytorch-lightning", "2.1.4", "pytorch-lightning>=2.2")],
+)  # fmt: skip
+@pytest.mark.parametrize("strategy", ["HydraDDP", "HydraFSDP"])
+def test_a_release_older_than_the_minimum_is_refused_naming_it(
+    monkeypatch, module, name, old, needed, strategy
+):
+    monkeypatch.setattr(module, "__version__", old)
+    with pytest.raises(
+        ImportError,
+        match=re.escape(f"needs {needed} (found {old})") + ".*" + re.escape(f"pip install '{needed}'"),
+    ):
+        getattr(hydra_fsdp.pytorch_lightning, strategy)()
+
+
+def test_versions_are_read_by_their_release_numbers():
+    assert hydra_fsdp._release("2.3.0+cu121") == (2, 3, 0) >= hydra_fsdp._release("2.3")
+    assert hydra_fsdp._release("2.2.0.post0") == (2, 2, 0) < hydra_fsdp._release("2.10")
+    assert hydra_fsdp._release("1.3.0.dev2") >= hydra_fsdp._release("1.3.0")
+
+
+def test_fsdp_without_a_gpu_on_a_lightning_that_refuses_it_names_the_release_needed(monkeypatch):
+    monkeypatch.setattr(pl, "__version__", "2.2.5")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(
+        ImportError, match=r"HydraFSDP without a GPU needs pytorch-lightning>=2\.3\.0 \(found 2\.2\.5"
+    ):
+        hydra_fsdp.pytorch_lightning.HydraFSDP()
+    hydra_fsdp.pytorch_lightning.HydraDDP()  # DDP runs on the CPU there
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    hydra_fsdp.pytorch_lightning.HydraFSDP()  # and FSDP on a GPU
+
+
+def test_the_floors_agree_in_pyproject_the_floor_stack_and_the_module():
+    """pyproject.toml's floors are what .ci/floor.txt pins (CI runs them) and what the module checks."""
+    root = Path(__file__).parent
+    release = hydra_fsdp._release
+    declared = {
+        n: release(v) for n, v in re.findall(r'"([a-z-]+)>=([\d.]+)', (root / "pyproject.toml").read_text())
+    }
+    floor = (root / ".ci" / "floor.txt").read_text()
+    pinned = {n: release(v) for n, v in re.findall(r"^([A-Za-z_-]+)==([\d.]+)", floor, re.M)}
+    for name in ("torch", "pytorch-lightning", "lightning", "hydra-core", "hydra-zen", "pytest"):
+        assert pinned[name][: len(declared[name])] == declared[name], name
+    for name, minimum in hydra_fsdp._MINIMUM_VERSIONS.items():
+        assert declared[name] == release(minimum)[: len(declared[name])], name
+
+
+def test_a_keyboard_interrupt_in_a_stage_stops_the_sweep_as_sigint_does():
+    # Ctrl-C's handler can run before the signal thread sees it; Lightning < 2.3 then swallows the
+    # KeyboardInterrupt, and without this the sweep went on to its next job
+    job = mock.Mock(signal_received=None)
+    error = hydra_fsdp._Job.failed(job, KeyboardInterrupt())
+    assert isinstance(error, SystemExit) and error.code == 128 + signal.SIGINT
+    job.end.assert_called_once_with()

@@ -5,7 +5,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import copy_app, end_tree
+from helpers import FSDP_ON_CPU, FSDP_ON_CPU_REASON, copy_app, end_tree
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -17,6 +17,19 @@ def pytest_configure(config):
     # Sweeps start as from a terminal, SIGINT at its default, even where pytest was started with it
     # ignored (a background job of a shell without job control): a handler is reset by exec.
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip what runs HydraFSDP on the CPU where Lightning refuses it (tests/test_sweeps.py tests
+    the refusal there): a test marked fsdp_cpu, or one parametrized with the FSDP strategy."""
+    if FSDP_ON_CPU:
+        return
+    skip = pytest.mark.skip(reason=FSDP_ON_CPU_REASON)
+    for item in items:
+        params = getattr(item, "callspec", None)
+        values = params.params.values() if params else ()
+        if item.get_closest_marker("fsdp_cpu") or any(value in ("fsdp", "HydraFSDP") for value in values):
+            item.add_marker(skip)
 
 
 def children_of(pid):

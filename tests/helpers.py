@@ -13,9 +13,20 @@ import subprocess
 import sys
 import tempfile
 import time
+from importlib.metadata import version
 from pathlib import Path
 
+import torch
+
+from hydra_fsdp import _FSDP_ON_CPU_LIGHTNING, _release
+
 APPS = Path(__file__).parent / "apps"
+# Lightning before 2.3.0 refuses FSDP without a GPU; HydraFSDP then refuses to be built.
+LIGHTNING = version("pytorch-lightning")
+FSDP_ON_CPU = torch.cuda.is_available() or _release(LIGHTNING) >= _release(_FSDP_ON_CPU_LIGHTNING)
+FSDP_ON_CPU_REASON = (
+    f"Lightning {LIGHTNING} refuses FSDP without a GPU (HydraFSDP refuses to be built: tested)"
+)
 SWEEP_TIMEOUT = 240  # seconds; a 2-job sweep takes about 10 s on 2 cores
 FAULT_BOUND = 60  # seconds within which a failed job must have ended and left nothing running
 

@@ -25,6 +25,8 @@ import pytest
 import torch
 from helpers import APPS, app_env, ok, records, run
 
+pytestmark = pytest.mark.fsdp_cpu  # every test loads what HydraFSDP wrote on the CPU
+
 TRUSTED = {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}
 KEEP_ALL = "+callbacks.model_checkpoint.save_top_k=-1"  # epoch_000 differs from last: a load shows
 JOBS = {  # the writing sweep's jobs, in Hydra's order

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import hydra_fsdp
+import pytest
 from helpers import APPS, app_env, ok, records, run
 
 README = Path(__file__).parent.parent / "README.md"
@@ -35,6 +36,7 @@ def test_readme_yaml_trainer_config_in_the_template(tmp_path):
             assert {rank["strategy"] for rank in seen.values()} == {"hydra_fsdp.lightning.HydraDDP"}
 
 
+@pytest.mark.fsdp_cpu
 def test_readme_hydra_zen_train_py_sweeps(tmp_path):
     train_py = next(block for block in blocks("python") if "zen(train)" in block)
     (tmp_path / "train.py").write_text(train_py)

@@ -6,7 +6,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_ranks_agree, copy_app, ok, records, run_app, sweep_in
+from helpers import (
+    FSDP_ON_CPU,
+    LIGHTNING,
+    assert_ranks_agree,
+    copy_app,
+    ok,
+    records,
+    run_app,
+    sweep_in,
+)
 
 import hydra_fsdp
 
@@ -119,6 +128,7 @@ def test_ranks_about_to_run_different_things_fail_their_job_fast(app, strategy):
 # --------------------------------------------------------------------------- end to end: HydraFSDP
 
 
+@pytest.mark.fsdp_cpu
 def test_fsdp_sweep_shards_parameters_on_cpu(app):
     proc = ok(sweep_in(app, "module.lr=0.1,0.2", strategy="fsdp"))
     for job, lr in ((0, 0.1), (1, 0.2)):
@@ -130,6 +140,7 @@ def test_fsdp_sweep_shards_parameters_on_cpu(app):
     print(f"2 jobs x 2 ranks, HydraFSDP: {proc.seconds:.1f} s")
 
 
+@pytest.mark.fsdp_cpu
 def test_fsdp_checkpoint_saves_and_loads_on_cpu(app):
     ok(
         sweep_in(
@@ -201,6 +212,7 @@ def test_hydra_zen_launch_multirun_from_python(tmp_path, monkeypatch):
         assert key not in os.environ
 
 
+@pytest.mark.fsdp_cpu
 def test_copied_into_a_user_package(app):
     third_party = app / "myproj" / "third_party"
     third_party.mkdir(parents=True)
@@ -216,6 +228,17 @@ def test_copied_into_a_user_package(app):
 
 
 # --------------------------------------------------------------------------- bad input, end to end
+
+
+@pytest.mark.skipif(FSDP_ON_CPU, reason=f"Lightning {LIGHTNING} runs FSDP on the CPU")
+def test_fsdp_on_a_lightning_that_refuses_the_cpu_fails_fast_naming_the_release(app):
+    proc = sweep_in(app, "module.lr=0.1,0.2", strategy="fsdp", timeout=120)
+    assert proc.returncode != 0
+    assert "HydraFSDP without a GPU needs" in proc.text() and ">=2.3.0 (found" in proc.text(), proc.text()[
+        -3000:
+    ]
+    assert not (app / "sweep" / "0" / "rank_1.log").exists()
+    assert proc.seconds < 60
 
 
 def test_bad_input_fails_fast_and_leaves_no_process(app):
