@@ -1280,7 +1280,6 @@ class _HydraStrategy:
         datamodule_key: str = "datamodule",
         **kwargs: Any,
     ) -> None:
-        _check_versions(self._lightning, fsdp=isinstance(self, self._lightning.strategies.FSDPStrategy))
         if (
             isinstance(rank_timeout, bool)
             or not isinstance(rank_timeout, (int, float))
@@ -1292,6 +1291,7 @@ class _HydraStrategy:
         for name, key in (("module_key", module_key), ("datamodule_key", datamodule_key)):
             if not isinstance(key, str) or not key:
                 raise ValueError(f"{name}={key!r}: expected the non-empty name of a key of the job's config.")
+        _check_versions(self._lightning, fsdp=isinstance(self, self._lightning.strategies.FSDPStrategy))
         super().__init__(*args, **kwargs)
         self.rank_timeout = rank_timeout
         self._config_keys = {"module_key": module_key, "datamodule_key": datamodule_key}

@@ -437,6 +437,7 @@ def test_guard_lightning_setup_model(monkeypatch):
         hydra_fsdp._strategies_for.__wrapped__("pytorch_lightning")
 
 
+@needs_fsdp_on_cpu
 def test_guard_lightning_state_dict_type(monkeypatch):
     init = pl.strategies.FSDPStrategy.__init__
 
