@@ -228,12 +228,8 @@ def _resolved_where_possible(config: Any) -> Any:
 
 def _escaped(value: Any) -> Any:
     """Escape ``${`` in resolved strings so that OmegaConf reads them back literally."""
-    if isinstance(value, str):
+    if isinstance(value, str):  # containers never reach here: _resolved_where_possible walks them
         return re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", value)
-    if isinstance(value, (list, tuple)):
-        return [_escaped(item) for item in value]
-    if isinstance(value, dict):
-        return {key: _escaped(item) for key, item in value.items()}
     return value
 
 
