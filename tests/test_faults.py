@@ -154,7 +154,8 @@ def stop(sweep, how):
 @pytest.mark.parametrize("while_", ["training", "blocked on a hung child"])
 def test_stopping_the_sweep_ends_every_rank(app, how, while_):
     if while_ == "training":
-        sweep = start_sweep(app, "module.lr=0.1,0.2", env={"APP_SLOW_STEPS": "1"})
+        # 4 steps of 2 s: still training when the signal comes 4 s in, however fast the start
+        sweep = start_sweep(app, "module.lr=0.1,0.2", env={"APP_SLOW_STEPS": "2"})
     else:  # rank 0 waits in a collective for rank 1, which never comes: no signal handler can run
         sweep = start_sweep(app, "module.lr=0.1,0.2", "module.fail_rank=1", "module.fail_how=train_hang")
     job = app / "sweep" / "0"
