@@ -126,7 +126,7 @@ class ChildRankError(RuntimeError):
 
 
 # The versions of torch, Lightning and hydra-core CI ran (see the table of private names above).
-_KNOWN_TO_WORK = "torch 2.3 to 2.14, Lightning 2.2 to 2.6, hydra-core 1.3.0 to 1.3.8"
+_KNOWN_TO_WORK = "torch 2.3 to 2.15, Lightning 2.2 to 2.6, hydra-core 1.3.0 to 1.3.8"
 
 
 def _upstream_changed(name: str, why: str) -> RankLaunchError:
