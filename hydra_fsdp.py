@@ -174,7 +174,7 @@ def _hydra_job() -> Optional[dict]:
     needed = {"task_function", "task_cfg"} | (
         {"hydra_context", "ret"} if frame.f_code is run_job.__code__ else set()
     )
-    if not needed <= frame.f_locals.keys():
+    if not needed <= set(frame.f_locals):  # Python 3.13: a proxy, whose keys() is a list
         raise _upstream_changed(
             "the local variables of hydra.core.utils.run_job (task_function, task_cfg, hydra_context, ret)",
             "find the running job's task function and config",
