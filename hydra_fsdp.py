@@ -9,30 +9,17 @@ it, instead of re-running ``sys.argv`` (the whole sweep) as Lightning does. Sect
 job: what rank 0 reads, what a child runs, the fork server that starts children, rank 0's job,
 the check that every rank runs the same thing, the strategies, and a child rank's own start.
 
-Private names of torch, Lightning, Hydra and OmegaConf this file relies on, each guarded: a
-change raises ``RankLaunchError`` naming it and the versions known to work (``_KNOWN_TO_WORK``).
-
-=============================================  =========================================  ============================
-name                                           why                                        guard
-=============================================  =========================================  ============================
-``hydra.core.utils.run_job``'s frame locals    the running job's task function, config,   the four names checked
-(task_function, task_cfg, hydra_context, ret)  context and return: Hydra has no handle
-``hydra_context.callbacks.callbacks``          follow job ends without the user's config  a list, checked
-``HydraConfig.instance().cfg = ...``           a child's Hydra config (``set_config``     read back, checked
-                                               wants Hydra's schema, which plugins extend)
-``JobReturn._return_value``                    the failed job's error (the public getter  absent: the note is printed
-                                               prints Hydra's error line again)
-``distributed_c10d._world.group_count``        reset after a failed rendezvous            an int, checked
-TCPStore's cache of multi-tenant stores        a job's store never on an earlier port     none needed: no port reused
-``FSDPStrategy._setup_model``                  wrap on the CPU, once for all stages       overridden by FSDPStrategy
-``FSDPStrategy._state_dict_type``              full or sharded checkpoint                 "full"/"sharded", checked
-FSDP's ``_fsdp_wrapped_module`` name part      a pickled net's weights in the state dict  every parameter found
-Lightning's ``meta.pt`` in sharded checkpoints the rest of a sharded checkpoint           the file, checked
-``rank_zero_only.rank`` (no underscore, but    a forked child's rank                      the attribute, checked
-undocumented)
-``ProcessGroup._device_types``,                hold the group's backends while it is      absent: destroyed as before
-``ProcessGroup._get_backend``                  destroyed (torch < 2.4 deadlocked there)   (torch >= 2.4 needs neither)
-=============================================  =========================================  ============================
+Private names this file relies on, each guarded where it is used (a change raises
+``RankLaunchError`` naming it and ``_KNOWN_TO_WORK``), and why: ``hydra.core.utils.run_job``'s
+locals ``task_function``, ``task_cfg``, ``hydra_context``, ``ret`` (Hydra keeps no handle on the
+running job); ``hydra_context.callbacks.callbacks`` (to follow job ends without the user's config);
+``HydraConfig.instance().cfg`` (``set_config`` wants Hydra's schema, which plugins extend);
+``JobReturn._return_value`` (its getter prints Hydra's error line again); torch's
+``_world.group_count`` (reset after a failed rendezvous) and TCPStore's cache of multi-tenant
+stores (no port reused); ``ProcessGroup._device_types``/``_get_backend`` (torch < 2.4 deadlocked
+destroying a group); ``FSDPStrategy._setup_model`` (wrap on the CPU, once for all stages) and
+``_state_dict_type``; FSDP's ``_fsdp_wrapped_module`` name part and Lightning's ``meta.pt`` (what a
+checkpoint holds); ``rank_zero_only.rank`` (a forked child's rank).
 """
 
 __version__ = "0.2.0"
@@ -89,12 +76,9 @@ _PIP_NAMES = {"pytorch_lightning": "pytorch-lightning", "lightning": "lightning"
 LAUNCH_DELAY_ENV = "MUSHIN_DDP_LAUNCH_DELAY"
 DEFAULT_LAUNCH_DELAY = 1.0
 DEFAULT_RANK_TIMEOUT = 600.0
-# Beside the job's config.yaml: what a child rank needs besides the config (see _write_launch).
-_LAUNCH_FILE = "rank_launch.pickle"
-# Set in the environment of the child ranks hydra_fsdp starts: the saved config they run.
-_CHILD_ENV = "HYDRA_FSDP_CONFIG"
-# Set in the fork server's environment: what it imports (see _ForkServer).
-_SERVER_ENV = "HYDRA_FSDP_FORK_SERVER"
+_LAUNCH_FILE = "rank_launch.pickle"  # beside the job's config.yaml: the rest a child needs (_write_launch)
+_CHILD_ENV = "HYDRA_FSDP_CONFIG"  # set for the child ranks hydra_fsdp starts: the config they run
+_SERVER_ENV = "HYDRA_FSDP_FORK_SERVER"  # set for the fork server: what it imports (see _ForkServer)
 _CHECK_IN_KEY = "hydra_fsdp/ready/{}"
 _GO_KEY = "hydra_fsdp/go"  # rank 0 runs this job with these children: they may run the task function
 _STAGE_KEY = "hydra_fsdp/stage/{}"  # the fallback: the stages rank 0 runs, in order
@@ -103,18 +87,18 @@ _STAGE_KEY = "hydra_fsdp/stage/{}"  # the fallback: the stages rank 0 runs, in o
 # so that the next job of the sweep neither reuses this job's port nor mistakes itself for a
 # child, and nothing a scheduler set is lost.
 _RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
-# How often rank 0 looks at its children's check-ins and exits: each look is cheap, and each
-# wait for it is on the path of every job.
+# How often a wait looks again at what only polling shows (a check-in in the store, the server's
+# pipe): each look is cheap, and each wait is on the path of every job.
 _POLL_INTERVAL = 0.01
 _LOG_TAIL_LINES = 20
 _DIFFERENCES_SHOWN = 5
-# After rank 0 saw a collective fail, how long a child that caused it may take to exit.
-_PEER_EXIT_GRACE = 2.0
-# A child dumps its stack to its log on this signal (faulthandler), before it is ended.
-_STACK_DUMP_SIGNAL = signal.SIGUSR1
+_PEER_EXIT_GRACE = 2.0  # after a collective failed on rank 0: how long a child that caused it may take
+_STACK_DUMP_SIGNAL = signal.SIGUSR1  # a child dumps its stack to its log on it (faulthandler)
 _STACK_DUMP_WAIT = 0.5
 # A child waits on rank 0's store without a deadline of its own: rank 0 ends its children itself.
 _CHILD_STORE_TIMEOUT = timedelta(days=1)
+# The versions of torch, Lightning and hydra-core CI ran (see the private names above).
+_KNOWN_TO_WORK = "torch 2.3 to 2.15, Lightning 2.2 to 2.6, hydra-core 1.3.0 to 1.3.8"
 
 
 class RankLaunchError(RuntimeError):
@@ -123,10 +107,6 @@ class RankLaunchError(RuntimeError):
 
 class ChildRankError(RuntimeError):
     """A child rank failed, hung or was ended; its job fails, the sweep goes on."""
-
-
-# The versions of torch, Lightning and hydra-core CI ran (see the table of private names above).
-_KNOWN_TO_WORK = "torch 2.3 to 2.15, Lightning 2.2 to 2.6, hydra-core 1.3.0 to 1.3.8"
 
 
 def _upstream_changed(name: str, why: str) -> RankLaunchError:
@@ -142,14 +122,12 @@ def _upstream_changed(name: str, why: str) -> RankLaunchError:
 
 
 def _launch_delay() -> float:
-    raw = os.environ.get(LAUNCH_DELAY_ENV)
-    if raw is None:
-        return DEFAULT_LAUNCH_DELAY
+    raw = os.environ.get(LAUNCH_DELAY_ENV, str(DEFAULT_LAUNCH_DELAY))
     try:
         delay = float(raw)
     except ValueError:
         delay = math.nan
-    if not math.isfinite(delay) or delay < 0:
+    if not 0 <= delay < math.inf:
         raise RankLaunchError(
             f"{LAUNCH_DELAY_ENV}={raw!r} is not a number of seconds: expected a finite number >= 0"
             f" (e.g. {LAUNCH_DELAY_ENV}=1, or 0 to start child ranks without a pause)."
@@ -183,13 +161,6 @@ def _hydra_job() -> Optional[dict]:
 
 
 def _saved_config_path() -> Path:
-    if not HydraConfig.initialized() or _hydra_job() is None:
-        raise RankLaunchError(
-            "HydraDDP/HydraFSDP start child ranks from the running Hydra job's saved config, but no"
-            " Hydra job is running here. Call trainer.fit/validate/test/predict inside a Hydra task"
-            " function (@hydra.main, hydra_zen.zen or hydra_zen.launch), or use Lightning's own"
-            " strategy='ddp'/'fsdp' outside Hydra."
-        )
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.output_subdir is None:
         raise RankLaunchError(
@@ -218,11 +189,13 @@ def _resolved_where_possible(config: Any) -> Any:
         return _escaped(config.name if isinstance(config, Enum) else config)
     is_dict = isinstance(config, DictConfig)
     resolved: Any = {} if is_dict else [None] * len(config)
+    as_written = None
     for key in config.keys() if is_dict else range(len(config)):
         try:
             resolved[key] = _resolved_where_possible(config[key])
         except OmegaConfBaseException:
-            resolved[key] = OmegaConf.to_container(config, resolve=False)[key]
+            as_written = as_written or OmegaConf.to_container(config, resolve=False)
+            resolved[key] = as_written[key]
     return resolved
 
 
@@ -311,9 +284,8 @@ def _write_launch(config_path: Path, hydra_job: dict, shape: "_Shape") -> bool:
     _resolved_where_possible(task_cfg)  # caches every ${now:...} rank 0 will read
     task, why_not = _pickled_task(hydra_job["task_function"])
     if task is None:
-        contract_keys = ("trainer", shape.module_key)
         config = OmegaConf.load(config_path)
-        missing = [key for key in contract_keys if key not in config]
+        missing = [key for key in ("trainer", shape.module_key) if key not in config]
         if missing:
             raise RankLaunchError(
                 f"Child ranks cannot run this job: {why_not}, and the job's saved config {config_path}"
@@ -340,7 +312,7 @@ def _write_launch(config_path: Path, hydra_job: dict, shape: "_Shape") -> bool:
     return task is not None
 
 
-def _rank_launch(children: dict, shape: "_Shape", port: int) -> None:
+def _rank_launch(children: "_ChildRanks", shape: "_Shape", port: int, hydra_job: dict) -> bool:
     """Start child ranks 1..N-1 of the running Hydra job into ``children``, each as::
 
         LOCAL_RANK=<r> NODE_RANK=0 WORLD_SIZE=<N> MASTER_ADDR=<shape.address> MASTER_PORT=<port> \\
@@ -352,11 +324,12 @@ def _rank_launch(children: dict, shape: "_Shape", port: int) -> None:
     directory, ``MUSHIN_DDP_LAUNCH_DELAY`` seconds apart -- in effect: the sweep's fork server
     runs each in a fresh fork of itself, without paying the imports again (see ``_ForkServer``).
     Each started child is in ``children`` at once, so that whoever ends them finds every one.
+    Return whether they run the job's task function (else the fallback, see ``_write_launch``).
     """
     config_path = _saved_config_path()
     delay = _launch_delay()
+    runs_task = _write_launch(config_path, hydra_job, shape)
     command = [sys.executable, os.path.abspath(__file__), str(config_path)]
-    job_dir = Path(HydraConfig.get().runtime.output_dir)
     for rank in range(1, shape.world_size):
         if rank > 1 and delay:
             time.sleep(delay)
@@ -371,7 +344,8 @@ def _rank_launch(children: dict, shape: "_Shape", port: int) -> None:
         )
         env[_CHILD_ENV] = str(config_path)
         server = _started_fork_server(shape.lightning)
-        children[rank] = server.start(command, env, job_dir / f"rank_{rank}.log", timeout=shape.rank_timeout)
+        children[rank] = server.start(command, env, children.log(rank), timeout=shape.rank_timeout)
+    return runs_task
 
 
 # --------------------------------------------------------------------------- the fork server
@@ -379,6 +353,21 @@ def _rank_launch(children: dict, shape: "_Shape", port: int) -> None:
 
 # The fork server of this sweep, started by its first job that has child ranks.
 _fork_server: Optional["_ForkServer"] = None
+# Notified whenever a fork server says something: a child started or exited, or the server ended.
+_server_said = threading.Condition()
+
+
+def _wait_until(done: Callable[[], Any], timeout: Optional[float]) -> bool:
+    """Whether ``done()`` holds within ``timeout`` s. Asked again the moment a fork server says
+    something, and every ``_POLL_INTERVAL`` for what only polling shows (a check-in)."""
+    deadline = math.inf if timeout is None else time.monotonic() + timeout
+    with _server_said:
+        while not done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            _server_said.wait(min(left, _POLL_INTERVAL))
+    return True
 
 
 class _ForkServer:
@@ -391,8 +380,8 @@ class _ForkServer:
     most of a hydra-zen script's import), starts no thread and never touches CUDA (with
     ``PYTORCH_NVML_BASED_CUDA_CHECK`` a CUDA query asks NVML instead of initialising CUDA). It runs
     as ``python /path/to/hydra_fsdp.py`` with ``HYDRA_FSDP_FORK_SERVER`` naming what to import,
-    reads a child's command a line on stdin, answers its pid and later its exit code on stdout,
-    and ends, ending its children, when rank 0 closes its stdin or dies.
+    reads a child's command a line on stdin, answers its pid and later its exit code on stdout
+    (read here by a thread), and ends, ending its children, when rank 0 closes its stdin or dies.
     """
 
     def __init__(self, lightning: str) -> None:
@@ -407,51 +396,46 @@ class _ForkServer:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
         )
-        self.unread = b""
         self.started: list[int] = []
         self.exit_codes: dict[int, int] = {}
+        self.lost = False  # the server died, and its children with it: how they ended is unknown
+        threading.Thread(target=self._read_replies, name="hydra-fsdp-fork-server", daemon=True).start()
         atexit.register(self.close)
+
+    def _read_replies(self) -> None:
+        for reply in map(json.loads, self.proc.stdout):
+            with _server_said:
+                if "started" in reply:
+                    self.started.append(reply["started"])
+                else:
+                    self.exit_codes[reply["exited"]] = reply["code"]
+                _server_said.notify_all()
+        with _server_said:
+            self.lost = True
+            _server_said.notify_all()
 
     def start(self, command: list, env: dict, log: Path, timeout: float) -> "_ForkedChild":
         """Have the server fork a child that runs ``command`` with ``env``, writing to ``log``,
         within ``timeout`` seconds (the first child waits for the server's imports)."""
         request = {"command": command, "env": env, "cwd": os.getcwd(), "log": str(log)}
-        deadline = time.monotonic() + timeout
-        try:
+        with contextlib.suppress(BrokenPipeError):  # a server that died says so by its end
             self.proc.stdin.write(json.dumps(request).encode() + b"\n")
             self.proc.stdin.flush()
-            while not self.started:
-                if time.monotonic() > deadline:
-                    self.proc.kill()
-                    self.proc.wait()
-                    raise ChildRankError(
-                        f"hydra_fsdp's fork server (pid {self.proc.pid}), which imports {', '.join(self.imports)}"
-                        f" once for the sweep's child ranks, started none within {timeout:g} s and was"
-                        " ended. Raise rank_timeout on the strategy if imports are this slow here (a"
-                        " cluster's shared file system)."
-                    )
-                self.read(timeout=max(0.0, deadline - time.monotonic()))
-        except (BrokenPipeError, EOFError):
+        if not _wait_until(lambda: self.started or self.lost, timeout):
+            self.proc.kill()
+            self.proc.wait()
+            raise ChildRankError(
+                f"hydra_fsdp's fork server (pid {self.proc.pid}), which imports {', '.join(self.imports)}"
+                f" once for the sweep's child ranks, started none within {timeout:g} s and was"
+                " ended. Raise rank_timeout on the strategy if imports are this slow here (a"
+                " cluster's shared file system)."
+            )
+        if not self.started:
             raise ChildRankError(
                 f"hydra_fsdp's fork server (pid {self.proc.pid}) exited with code {self.proc.wait()} before"
                 " it started a child rank; its error is in rank 0's output above."
-            ) from None
+            )
         return _ForkedChild(self, self.started.pop(0))
-
-    def read(self, timeout: Optional[float]) -> None:
-        """Take in what the server said: the pids it started, the exit codes of its children."""
-        replies = self.proc.stdout.fileno()
-        if not select.select([replies], [], [], timeout)[0]:
-            return
-        said = os.read(replies, 1 << 16)
-        if not said:  # the server died, its children with it: how they ended is unknown
-            raise EOFError
-        *lines, self.unread = (self.unread + said).split(b"\n")
-        for line in map(json.loads, lines):
-            if "started" in line:
-                self.started.append(line["started"])
-            else:
-                self.exit_codes[line["exited"]] = line["code"]
 
     def close(self) -> None:
         """Close the server's stdin: it ends, and with it any child still running."""
@@ -481,37 +465,20 @@ class _ForkedChild:
     def __init__(self, server: _ForkServer, pid: int) -> None:
         self.server = server
         self.pid = pid
-        self.returncode: Optional[int] = None
 
     def poll(self) -> Optional[int]:
-        if self.returncode is None:
-            try:
-                self.server.read(timeout=0)
-            except EOFError:
-                self.server.exit_codes.setdefault(self.pid, -signal.SIGKILL)
-            self.returncode = self.server.exit_codes.pop(self.pid, None)
-        return self.returncode
+        return self.server.exit_codes.get(self.pid, -signal.SIGKILL if self.server.lost else None)
 
     def wait(self, timeout: Optional[float] = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired(f"child rank pid {self.pid}", timeout)
-            try:  # wakes as soon as the server says anything
-                self.server.read(
-                    timeout=_POLL_INTERVAL if deadline is None else max(0.0, deadline - time.monotonic())
-                )
-            except EOFError:
-                self.server.exit_codes.setdefault(self.pid, -signal.SIGKILL)
-        return self.returncode
+        if not _wait_until(lambda: self.poll() is not None, timeout):
+            raise subprocess.TimeoutExpired(f"child rank pid {self.pid}", timeout)
+        return self.poll()
 
     def send_signal(self, signum: int) -> None:
         # By pid, from any thread: the server reaps a child only once it has exited.
-        if self.returncode is None:
-            try:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signum)
-            except ProcessLookupError:
-                pass
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
@@ -613,13 +580,44 @@ class _Shape(NamedTuple):
 
     @classmethod
     def of(cls, strategy: "_HydraStrategy") -> "_Shape":
-        env = strategy.cluster_environment
-        return cls(
-            strategy.world_size,
-            env.main_address,
-            strategy._lightning.__name__,
-            strategy.rank_timeout,
-            **strategy._config_keys,
+        address = strategy.cluster_environment.main_address
+        lightning = strategy._lightning.__name__
+        return cls(strategy.world_size, address, lightning, strategy.rank_timeout, **strategy._config_keys)
+
+
+class _ChildRanks(dict):
+    """A job's child ranks, by rank: which still run, which failed, and what their logs say."""
+
+    def __init__(self, job_dir: Path) -> None:
+        super().__init__()
+        self.job_dir = job_dir
+
+    def log(self, rank: int) -> Path:
+        return self.job_dir / f"rank_{rank}.log"
+
+    def running(self) -> list:
+        return [rank for rank, proc in self.items() if proc.poll() is None]
+
+    def failed(self) -> Optional[int]:
+        """The first rank that exited with an error, if any."""
+        return next((rank for rank, proc in self.items() if proc.poll() not in (None, 0)), None)
+
+    def settled(self) -> bool:
+        """Whether the job's outcome is known: every child exited, or one failed."""
+        return not self.running() or self.failed() is not None
+
+    def failure(self, rank: int) -> ChildRankError:
+        return ChildRankError(f"Child rank {rank} failed: {self.describe(rank)}")
+
+    def describe(self, rank: int) -> str:
+        proc = self[rank]
+        code = proc.poll()
+        status = "still running" if code is None else f"exit code {code}"
+        if code is not None and code < 0:
+            status += f" (killed by {signal.Signals(-code).name})"
+        excerpt = "\n".join("    " + line for line in _log_excerpt(self.log(rank)))
+        return f"rank {rank} (pid {proc.pid}, {status}); its log is {self.log(rank)}" + (
+            f", ending with:\n{excerpt}" if excerpt else "."
         )
 
 
@@ -636,9 +634,7 @@ class _Job:
     def __init__(self, shape: _Shape, hydra_job: dict) -> None:
         self.shape = shape
         self.job_return = hydra_job["ret"]
-        self.timeout = shape.rank_timeout
-        self.job_dir = Path(HydraConfig.get().runtime.output_dir)
-        self.children: dict[int, _ForkedChild] = {}
+        self.children = _ChildRanks(Path(HydraConfig.get().runtime.output_dir))
         self.going = False
         self.runs_task = True
         self.stages_announced = 0
@@ -652,16 +648,21 @@ class _Job:
     @classmethod
     def start(cls, shape: _Shape) -> "_Job":
         global _running_job
-        config_path = _saved_config_path()
         hydra_job = _hydra_job()
+        if hydra_job is None or not HydraConfig.initialized():
+            raise RankLaunchError(
+                "HydraDDP/HydraFSDP start child ranks from the running Hydra job's saved config, but no"
+                " Hydra job is running here. Call trainer.fit/validate/test/predict inside a Hydra task"
+                " function (@hydra.main, hydra_zen.zen or hydra_zen.launch), or use Lightning's own"
+                " strategy='ddp'/'fsdp' outside Hydra."
+            )
         if _running_job is not None:  # a job Hydra never ended (it raised past run_job)
             _running_job.close()
         job = _running_job = cls(shape, hydra_job)
         try:
             _share_cpus(shape.world_size)
-            job.runs_task = _write_launch(config_path, hydra_job, shape)
             _follow_hydra(hydra_job["hydra_context"]).last_shape = shape
-            _rank_launch(job.children, shape, job.store.port)
+            job.runs_task = _rank_launch(job.children, shape, job.store.port, hydra_job)
         except BaseException:
             job.close()
             raise
@@ -671,9 +672,8 @@ class _Job:
         """Before rank 0 runs a stage: children alive, going, told the stage (fallback), checked in."""
         self.raise_if_any_failed()
         if not self.runs_task:
-            self.store.set(
-                _STAGE_KEY.format(self.stages_announced), json.dumps(_stage_for_children(trainer, call))
-            )
+            stage = json.dumps(_stage_for_children(trainer, call))
+            self.store.set(_STAGE_KEY.format(self.stages_announced), stage)
             self.stages_announced += 1
         if not self.going:
             self.store.set(_GO_KEY, "1")
@@ -682,34 +682,33 @@ class _Job:
 
     def wait_until_checked_in(self) -> None:
         """Wait until every child is about to join the process group, failing fast if one cannot."""
-        keys = [_CHECK_IN_KEY.format(rank) for rank in self.children]
-        deadline = time.monotonic() + self.timeout
-        while not self.store.check(keys):
-            self.raise_if_any_failed()
-            if time.monotonic() > deadline:
-                late = [rank for rank in self.children if not self.store.check([_CHECK_IN_KEY.format(rank)])]
-                self.end()
-                raise ChildRankError(
-                    f"Child rank(s) {late} did not reach the process group within {self.timeout:g} s"
-                    f" and were ended. {self.describe(late[0])} Raise rank_timeout on the strategy if"
-                    " they only start slowly."
-                )
-            time.sleep(_POLL_INTERVAL)
+        keys = {rank: _CHECK_IN_KEY.format(rank) for rank in self.children}
+        if not _wait_until(
+            lambda: self.store.check(list(keys.values())) or len(self.children.running()) < len(keys),
+            self.shape.rank_timeout,
+        ):
+            late = [rank for rank, key in keys.items() if not self.store.check([key])]
+            self.end()
+            raise ChildRankError(
+                f"Child rank(s) {late} did not reach the process group within {self.shape.rank_timeout:g} s"
+                f" and were ended. {self.children.describe(late[0])} Raise rank_timeout on the strategy"
+                " if they only start slowly."
+            )
+        self.raise_if_any_failed()
 
     def raise_if_any_failed(self) -> None:
         """While rank 0 runs the job's stages, every child must still be running."""
         for rank, proc in self.children.items():
             code = proc.poll()
-            if code == 0:
+            if code is not None:
                 self.end()
+                if code != 0:
+                    raise self.children.failure(rank)
                 raise ChildRankError(
                     f"Child rank {rank} finished the job's task function while rank 0 still runs it, at a"
                     f" Trainer stage the child never reached: the task function took another path on that"
-                    f" rank. {self.describe(rank)}"
+                    f" rank. {self.children.describe(rank)}"
                 )
-            if code is not None:
-                self.end()
-                raise self.failure(rank)
 
     def failed(self, error: BaseException) -> BaseException:
         """The error a stage that raised on rank 0 fails the job with; the children are ended."""
@@ -720,9 +719,11 @@ class _Job:
         if self.signal_received is not None:
             error = SystemExit(128 + self.signal_received)
         elif not isinstance(error, (ChildRankError, RankLaunchError, KeyboardInterrupt, SystemExit)):
-            failed = self.first_failure(grace=_PEER_EXIT_GRACE)
+            # a collective that failed because a child failed: the child's error is the job's
+            _wait_until(self.children.settled, _PEER_EXIT_GRACE)
+            failed = self.children.failed()
             if failed is not None:
-                error = self.failure(failed)
+                error = self.children.failure(failed)
             else:  # rank 0's own error, or a collective that timed out on a child that hangs
                 self.note_ended_children(error)
         self.end()
@@ -742,53 +743,36 @@ class _Job:
                 if failure is not None:
                     job_return.status = JobStatus.FAILED
                     job_return.return_value = failure
-            elif any(proc.poll() is None for proc in self.children.values()):
-                # rank 0 failed outside a stage; the public getter would print Hydra's error line again
+            else:  # rank 0 failed outside a stage; the public getter would print Hydra's error line again
                 self.note_ended_children(getattr(job_return, "_return_value", None))
         finally:
             self.close()
 
     def wait_until_exited(self) -> Optional[ChildRankError]:
         """Wait for every child to finish the job: the job's error if one failed or would not."""
-        deadline = time.monotonic() + self.timeout
-        while self.first_failure(grace=0) is None and any(p.poll() is None for p in self.children.values()):
-            if time.monotonic() > deadline:
-                late = [rank for rank, proc in self.children.items() if proc.poll() is None]
-                self.end()
-                return ChildRankError(
-                    f"Child rank(s) {late} were still running {self.timeout:g} s after rank 0 finished"
-                    f" the job and were ended. {self.describe(late[0])}"
-                )
-            try:  # wakes as soon as any child exits
-                next(p for p in self.children.values() if p.poll() is None).wait(timeout=_POLL_INTERVAL)
-            except (subprocess.TimeoutExpired, StopIteration):
-                pass
-        failed = self.first_failure(grace=0)
-        return None if failed is None else self.failure(failed)
+        if not _wait_until(self.children.settled, self.shape.rank_timeout):
+            late = self.children.running()
+            self.end()
+            return ChildRankError(
+                f"Child rank(s) {late} were still running {self.shape.rank_timeout:g} s after rank 0"
+                f" finished the job and were ended. {self.children.describe(late[0])}"
+            )
+        failed = self.children.failed()
+        return None if failed is None else self.children.failure(failed)
 
-    def first_failure(self, grace: float) -> Optional[int]:
-        """Return the rank that failed on its own, giving children ``grace`` s to exit."""
-        deadline = time.monotonic() + grace
-        for proc in self.children.values():
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                break
-        failed = [rank for rank, proc in self.children.items() if proc.poll() not in (None, 0)]
-        return failed[0] if failed else None
-
-    def note_ended_children(self, error: BaseException) -> None:
+    def note_ended_children(self, error: Optional[BaseException]) -> None:
         """Have every running child dump its stack to its log, then say so under rank 0's error."""
-        running = [rank for rank, proc in self.children.items() if proc.poll() is None]
+        running = self.children.running()
+        if not running:
+            return
         for rank in running:
             self.children[rank].send_signal(_STACK_DUMP_SIGNAL)
-        if running:
-            time.sleep(_STACK_DUMP_WAIT)
+        time.sleep(_STACK_DUMP_WAIT)
         self.end()
         _add_note(
             error,
             "Rank 0 failed while these child ranks were still running; they were ended:\n"
-            + "\n".join(self.describe(rank) for rank in running),
+            + "\n".join(self.children.describe(rank) for rank in running),
         )
 
     def end_on_signal(self, signum: int) -> None:
@@ -800,8 +784,7 @@ class _Job:
     def end(self) -> None:
         """SIGKILL every child still running and reap it: a rank stuck in a collective ignores less."""
         for proc in self.children.values():
-            if proc.poll() is None:
-                proc.kill()
+            proc.kill()
         for proc in self.children.values():
             proc.wait()
 
@@ -811,24 +794,13 @@ class _Job:
         self.end()
         _destroy_process_group()
         self.signal_watch.close()
-        _restore_env(self.saved_env)
+        for key, value in self.saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         if _running_job is self:
             _running_job = None
-
-    def failure(self, rank: int) -> ChildRankError:
-        return ChildRankError(f"Child rank {rank} failed: {self.describe(rank)}")
-
-    def describe(self, rank: int) -> str:
-        proc = self.children[rank]
-        code = proc.poll()
-        status = "still running" if code is None else f"exit code {code}"
-        if code is not None and code < 0:
-            status += f" (killed by {signal.Signals(-code).name})"
-        log_path = self.job_dir / f"rank_{rank}.log"
-        excerpt = "\n".join("    " + line for line in _log_excerpt(log_path))
-        return f"rank {rank} (pid {proc.pid}, {status}); its log is {log_path}" + (
-            f", ending with:\n{excerpt}" if excerpt else "."
-        )
 
 
 # The ports of the stores this process made, one a job (see _job_store).
@@ -1033,14 +1005,6 @@ def _add_note(error: BaseException, note: str) -> None:
         print(note, file=sys.stderr)
 
 
-def _restore_env(saved: dict) -> None:
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-
-
 class _HydraRankLauncher:
     """Start a job's child ranks from the job's saved config, never from ``sys.argv``.
 
@@ -1074,21 +1038,18 @@ class _HydraRankLauncher:
                 f"num_nodes={strategy.num_nodes}, but HydraDDP/HydraFSDP start child ranks on one node"
                 " only. Across nodes, let torchrun or SLURM start every rank."
             )
-        hydra_job = _hydra_job() or {}
-        job = (
-            _running_job
-            if _running_job is not None and _running_job.job_return is hydra_job.get("ret")
-            else None
-        )
         shape = _Shape.of(strategy)
-        if job is not None and job.shape != shape and job.going:
-            raise RankLaunchError(
-                f"This job's ranks were started for a world size of {job.shape.world_size}, and a Trainer"
-                f" of the same job now asks for {shape.world_size}. Give every Trainer of one job the same"
-                " devices, num_nodes and strategy arguments."
-            )
-        if job is not None and job.shape != shape:  # started at job start like the last job: not alike
-            job.close()
+        job = _running_job
+        if job is not None and job.job_return is not (_hydra_job() or {}).get("ret"):
+            job = None
+        if job is not None and job.shape != shape:
+            if job.going:
+                raise RankLaunchError(
+                    f"This job's ranks were started for a world size of {job.shape.world_size}, and a"
+                    f" Trainer of the same job now asks for {shape.world_size}. Give every Trainer of one"
+                    " job the same devices, num_nodes and strategy arguments."
+                )
+            job.close()  # started at the job's start, like the last job: this one is not alike
             job = None
         job = job or _Job.start(shape)
         try:
