@@ -136,12 +136,8 @@ def _launch_delay() -> float:
 
 
 def _hydra_job() -> Optional[dict]:
-    """The locals of the frame running this process's Hydra job, or None outside one.
-
-    On rank 0 (and under torchrun or SLURM) that is Hydra's ``run_job``, which holds the task
-    function, its config (``task_cfg``), the job's ``hydra_context`` and its ``ret``: Hydra keeps
-    no public handle on them. On a child rank it is ``_run_child_rank``, holding the same names.
-    """
+    """The locals of the frame running this process's Hydra job, or None outside one: Hydra's
+    ``run_job`` (on rank 0, under torchrun or SLURM) or ``_run_child_rank`` (a child we started)."""
     from hydra.core.utils import run_job
 
     frame = inspect.currentframe()
@@ -186,7 +182,10 @@ def _resolved_where_possible(config: Any) -> Any:
     caches every ``${now:...}`` in ``config``'s root, for the children to read the same.
     """
     if not OmegaConf.is_config(config):
-        return _escaped(config.name if isinstance(config, Enum) else config)
+        value = config.name if isinstance(config, Enum) else config
+        if isinstance(value, str):  # escaped, for OmegaConf to read it back literally
+            return re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", value)
+        return value
     is_dict = isinstance(config, DictConfig)
     resolved: Any = {} if is_dict else [None] * len(config)
     as_written = None
@@ -197,13 +196,6 @@ def _resolved_where_possible(config: Any) -> Any:
             as_written = as_written or OmegaConf.to_container(config, resolve=False)
             resolved[key] = as_written[key]
     return resolved
-
-
-def _escaped(value: Any) -> Any:
-    """Escape ``${`` in resolved strings so that OmegaConf reads them back literally."""
-    if isinstance(value, str):  # containers never reach here: _resolved_where_possible walks them
-        return re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", value)
-    return value
 
 
 def _launching_script() -> dict:
@@ -949,7 +941,11 @@ def _destroy_process_group() -> None:
         # GIL, and gloo's destructor waits for its worker threads; a worker still freeing a finished
         # collective whose tensor Python already let go of needs the GIL for it: both wait forever
         # (a job's end hung in 6 of 20 fit-then-test runs on torch 2.3).
-        backends = _backends_of(torch.distributed.group.WORLD)
+        group = torch.distributed.group.WORLD
+        try:
+            backends = [group._get_backend(device) for device in group._device_types]
+        except (AttributeError, RuntimeError):  # a torch that names them otherwise: destroy as before
+            backends = []
         torch.distributed.destroy_process_group()
         del backends
     # An init_process_group that failed (a rank died during the rendezvous) counted a group it never
@@ -961,19 +957,6 @@ def _destroy_process_group() -> None:
             "torch.distributed.distributed_c10d._world.group_count", "reset torch's count of process groups"
         )
     world.group_count = 0
-
-
-def _backends_of(group: Any) -> list:
-    """The distinct backends (gloo, NCCL) of ``group``: their Python handles free them without the GIL."""
-    backends: list = []
-    try:
-        for device in group._device_types:
-            backend = group._get_backend(device)
-            if not any(backend is held for held in backends):
-                backends.append(backend)
-    except (AttributeError, RuntimeError):  # a torch that names them otherwise: destroy as before
-        pass
-    return backends
 
 
 def _end_process_groups_at_exit() -> None:

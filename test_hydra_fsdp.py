@@ -341,7 +341,7 @@ def test_external_world_size_mismatch_is_a_clear_error():
     "text", ["plain", "a${b}", "x\\${y}", "\\\\${z}", "dir/a=1,b=[2,3],c=${d}\\e f", "end\\", "$ {x}", "${"]
 )
 def test_escaped_strings_read_back_literally(text):
-    config = hydra_fsdp.OmegaConf.create({"value": hydra_fsdp._escaped(text)})
+    config = hydra_fsdp.OmegaConf.create({"value": hydra_fsdp._resolved_where_possible(text)})
     assert config.value == text
 
 
