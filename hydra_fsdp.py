@@ -1212,7 +1212,7 @@ def _shown(value: Any) -> str:
 
 # The oldest releases this file runs on, as pyproject.toml declares them: a copy of the file in
 # someone's project never sees pyproject.toml, so the strategies check when they are built.
-_MINIMUM_VERSIONS = {"torch": "2.3", "hydra-core": "1.3.0", "lightning": "2.2"}
+_MINIMUM_VERSIONS = {"torch": "2.3", "hydra-core": "1.3.0", "pytorch-lightning": "2.2", "lightning": "2.2"}
 # Lightning refuses FSDP without a GPU before 2.3.0 ("GPU accelerator is not used").
 _FSDP_ON_CPU_LIGHTNING = "2.3.0"
 
@@ -1227,35 +1227,21 @@ def _check_versions(lightning: types.ModuleType, fsdp: bool) -> None:
     """Refuse to build a strategy on releases older than it runs on, naming what is needed."""
     import hydra
 
-    lightning_name = _PIP_NAMES[
-        "lightning" if lightning.__name__.startswith("lightning") else "pytorch_lightning"
-    ]
-    found = {
-        "torch": torch.__version__,
-        "hydra-core": hydra.__version__,
-        lightning_name: getattr(lightning, "__version__", None)
-        or sys.modules[lightning.__name__.split(".")[0]].__version__,
-    }
-    needed = dict(_MINIMUM_VERSIONS)
-    needed[lightning_name] = needed.pop("lightning")
-    too_old = [name for name, version in found.items() if _release(version) < _release(needed[name])]
+    package = lightning.__name__.split(".")[0]
+    lightning_name = _PIP_NAMES[package]
+    found = {"torch": torch.__version__, "hydra-core": hydra.__version__}
+    found[lightning_name] = getattr(lightning, "__version__", None) or sys.modules[package].__version__
+    too_old = [name for name in found if _release(found[name]) < _release(_MINIMUM_VERSIONS[name])]
     if too_old:
+        needs = ", ".join(f"{name}>={_MINIMUM_VERSIONS[name]} (found {found[name]})" for name in too_old)
+        install = " ".join(f"'{name}>={_MINIMUM_VERSIONS[name]}'" for name in too_old)
+        raise ImportError(f"hydra_fsdp needs {needs}: pip install {install}.")
+    needed = f"{lightning_name}>={_FSDP_ON_CPU_LIGHTNING}"
+    refuses_the_cpu = _release(found[lightning_name]) < _release(_FSDP_ON_CPU_LIGHTNING)
+    if fsdp and refuses_the_cpu and not torch.cuda.is_available():
         raise ImportError(
-            "hydra_fsdp needs "
-            + ", ".join(f"{name}>={needed[name]} (found {found[name]})" for name in too_old)
-            + ": pip install "
-            + " ".join(f"'{name}>={needed[name]}'" for name in too_old)
-            + "."
-        )
-    if (
-        fsdp
-        and _release(found[lightning_name]) < _release(_FSDP_ON_CPU_LIGHTNING)
-        and not torch.cuda.is_available()
-    ):
-        raise ImportError(
-            f"HydraFSDP without a GPU needs {lightning_name}>={_FSDP_ON_CPU_LIGHTNING} (found"
-            f" {found[lightning_name]}, which refuses FSDP on the CPU): pip install"
-            f" '{lightning_name}>={_FSDP_ON_CPU_LIGHTNING}', or use HydraDDP."
+            f"HydraFSDP without a GPU needs {needed} (found {found[lightning_name]}, which refuses FSDP on"
+            f" the CPU): pip install '{needed}', or use HydraDDP."
         )
 
 
