@@ -1245,6 +1245,11 @@ def _check_versions(lightning: types.ModuleType, fsdp: bool) -> None:
         )
 
 
+def _fsdp() -> types.ModuleType:
+    """torch.distributed.fsdp, imported on first use: half a second that importing hydra_fsdp does without."""
+    return importlib.import_module("torch.distributed.fsdp")
+
+
 class _HydraStrategy:
     """What HydraDDP and HydraFSDP share: the launcher, the rank agreement, process group cleanup.
 
@@ -1340,20 +1345,16 @@ class _HydraFSDP(_HydraStrategy):
         return not self._holds_sharded(self.lightning_module)
 
     def _holds_sharded(self, model: torch.nn.Module) -> bool:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        return isinstance(self._sharded, FullyShardedDataParallel) and self._sharded.module is model
+        return isinstance(self._sharded, _fsdp().FullyShardedDataParallel) and self._sharded.module is model
 
     def _wrapped(self, model: torch.nn.Module) -> torch.nn.Module:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        if self.root_device.type != "cpu" or any(
-            isinstance(m, FullyShardedDataParallel) for m in model.modules()
-        ):
+        fsdp = _fsdp()
+        already_wrapped = any(isinstance(m, fsdp.FullyShardedDataParallel) for m in model.modules())
+        if self.root_device.type != "cpu" or already_wrapped:
             return super()._setup_model(model)
         # Lightning passes device_id=root_device.index, None on CPU, and torch's FSDP then looks for
         # an accelerator; so wrap here with the CPU device and let Lightning finish the setup.
-        wrapped = FullyShardedDataParallel(
+        wrapped = fsdp.FullyShardedDataParallel(
             module=model,
             cpu_offload=self.cpu_offload,
             mixed_precision=self.mixed_precision_config,
@@ -1380,15 +1381,14 @@ class _HydraFSDP(_HydraStrategy):
         # pickled as it stands: sharded, rank 0's flat shard and empty tensors, which no loader can
         # put back into a module. For a full checkpoint rank 0 pickles it holding the full state
         # dict's tensors, stored once, as in DDP's file; a sharded one's metadata, gathered whole.
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
         modules = _modules_in(checkpoint.get("hyper_parameters"))
         if not modules:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         if self._state_dict_type == "full":
             with _holding(modules, checkpoint["state_dict"], self.lightning_module):
                 return super().save_checkpoint(checkpoint, filepath, storage_options)
-        with FullyShardedDataParallel.summon_full_params(self.model, writeback=False, rank0_only=True):
+        summon_full_params = _fsdp().FullyShardedDataParallel.summon_full_params
+        with summon_full_params(self.model, writeback=False, rank0_only=True):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, **kwargs: Any) -> dict:
@@ -1400,8 +1400,6 @@ class _HydraFSDP(_HydraStrategy):
         A sharded one (a directory) is loaded as Lightning does, but also with an optimizer that
         holds no per-parameter state (SGD without momentum), whose empty state the shards drop.
         """
-        from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
-
         path = Path(self.broadcast(checkpoint_path))
         weights_only = kwargs.get("weights_only")  # Lightning's default, None, is torch.load's default
         fitting = self.lightning_module.trainer.state.fn == "fit"
@@ -1411,7 +1409,9 @@ class _HydraFSDP(_HydraStrategy):
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
 
-            with FullyShardedDataParallel.state_dict_type(self.model, StateDictType.SHARDED_STATE_DICT):
+            fsdp = _fsdp()
+            sharded_state_dict = fsdp.StateDictType.SHARDED_STATE_DICT
+            with fsdp.FullyShardedDataParallel.state_dict_type(self.model, sharded_state_dict):
                 state = {"model": self.model.state_dict()}
                 dcp.load(state, checkpoint_id=path)
                 self.model.load_state_dict(state["model"], strict=strict)
@@ -1438,37 +1438,30 @@ class _HydraFSDP(_HydraStrategy):
     def _keyed_by_name(self, state: dict) -> dict:
         """An optimizer state written without FSDP (by DDP) is keyed by position: key it by name.
         torch leaves one without per-parameter entries (SGD without momentum) as it is."""
-        from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType
-
         positions = [key for group in state["param_groups"] for key in group["params"]]
         if not any(isinstance(key, int) for key in positions):
             return state
+        fsdp = _fsdp()
         entries = state["state"] or dict.fromkeys(positions, {})
-        named = FullyShardedDataParallel.rekey_optim_state_dict(
-            {**state, "state": entries}, OptimStateKeyType.PARAM_NAME, self.model
+        named = fsdp.FullyShardedDataParallel.rekey_optim_state_dict(
+            {**state, "state": entries}, fsdp.OptimStateKeyType.PARAM_NAME, self.model
         )
         return {**named, "state": named["state"] if state["state"] else {}}
 
     def _load_optimizer(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        optimizer.load_state_dict(
-            FullyShardedDataParallel.optim_state_dict_to_load(
-                model=self.model, optim=optimizer, optim_state_dict=state
-            )
-        )
+        to_load = _fsdp().FullyShardedDataParallel.optim_state_dict_to_load
+        optimizer.load_state_dict(to_load(model=self.model, optim=optimizer, optim_state_dict=state))
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         if not self._full_state_dict_on_cpu():
             return super().optimizer_state(optimizer)
-        from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType
-
+        fsdp = _fsdp()
         optimizer = getattr(optimizer, "optimizer", optimizer)  # unwrap a LightningOptimizer
         with _full_state_dict_in_place(self.model):
-            state = FullyShardedDataParallel.optim_state_dict(self.model, optimizer)
+            state = fsdp.FullyShardedDataParallel.optim_state_dict(self.model, optimizer)
         if self.global_rank == 0:
-            state = FullyShardedDataParallel.rekey_optim_state_dict(
-                state, OptimStateKeyType.PARAM_ID, self.model
+            state = fsdp.FullyShardedDataParallel.rekey_optim_state_dict(
+                state, fsdp.OptimStateKeyType.PARAM_ID, self.model
             )
         return state
 
@@ -1498,13 +1491,11 @@ def _holding(modules: list, state_dict: dict, root: torch.nn.Module) -> Any:
     hold: each FSDP unit inside them as the module it wraps (a unit holds process groups, which do
     not pickle), and each parameter as the tensor of rank 0's full ``state_dict`` (empty on the
     other ranks, which pickle nothing)."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
     undo = []
     try:
         for parent in [inner for module in modules for inner in module.modules()]:
             for key, child in list(parent.named_children()):
-                if isinstance(child, FullyShardedDataParallel):
+                if isinstance(child, _fsdp().FullyShardedDataParallel):
                     undo.append(functools.partial(setattr, parent, key, child))
                     setattr(parent, key, child.module)
         names = {id(module): _unwrapped_name(name) for name, module in root.named_modules()}
@@ -1534,18 +1525,12 @@ def _full_state_dict_in_place(module: torch.nn.Module, rank0_only: bool = True) 
     (Lightning issue #21804). To save, rank 0 alone gathers, as Lightning does; to load, every
     rank takes its shard of the full state.
     """
-    from torch.distributed.fsdp import (
-        FullStateDictConfig,
-        FullyShardedDataParallel,
-        StateDictType,
-    )
-    from torch.distributed.fsdp.api import FullOptimStateDictConfig
-
-    return FullyShardedDataParallel.state_dict_type(
+    fsdp, config = _fsdp(), {"offload_to_cpu": False, "rank0_only": rank0_only}
+    return fsdp.FullyShardedDataParallel.state_dict_type(
         module=module,
-        state_dict_type=StateDictType.FULL_STATE_DICT,
-        state_dict_config=FullStateDictConfig(offload_to_cpu=False, rank0_only=rank0_only),
-        optim_state_dict_config=FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=rank0_only),
+        state_dict_type=fsdp.StateDictType.FULL_STATE_DICT,
+        state_dict_config=fsdp.FullStateDictConfig(**config),
+        optim_state_dict_config=fsdp.api.FullOptimStateDictConfig(**config),
     )
 
 
