@@ -1251,11 +1251,8 @@ def _fsdp() -> types.ModuleType:
 
 
 class _HydraStrategy:
-    """What HydraDDP and HydraFSDP share: the launcher, the rank agreement, process group cleanup.
-
-    Mixed in before Lightning's ``DDPStrategy`` or ``FSDPStrategy`` of one Lightning namespace;
-    ``_lightning`` is that namespace's package (``pytorch_lightning`` or ``lightning.pytorch``).
-    """
+    """What HydraDDP and HydraFSDP add to a Lightning strategy: mixed in before it, with ``_lightning`` the
+    package of its namespace (``pytorch_lightning`` or ``lightning.pytorch``)."""
 
     _lightning: types.ModuleType
 
@@ -1307,22 +1304,8 @@ class _HydraStrategy:
         return True
 
 
-class _HydraDDP(_HydraStrategy):
-    """Lightning's ``DDPStrategy``, with every child rank running the Hydra job's own task function.
-
-    Extra arguments: ``rank_timeout`` (seconds the fork server may take to start, a child to
-    reach the process group, and to finish after rank 0 finished the job; default 600),
-    ``module_key`` and ``datamodule_key`` (where the fallback finds them in the job's config;
-    default ``module`` and ``datamodule``).
-    The rest is DDPStrategy's.
-    """
-
-
 class _HydraFSDP(_HydraStrategy):
-    """Lightning's ``FSDPStrategy``, started like HydraDDP, and able to shard on CPU over gloo.
-
-    Extra arguments as HydraDDP's; the rest is FSDPStrategy's.
-    """
+    """What HydraFSDP adds besides: sharding on CPU, once for all of a job's stages, and its checkpoints."""
 
     _sharded: Optional[torch.nn.Module] = None  # the FSDP wrapper of the module of the last stage
 
@@ -1554,13 +1537,14 @@ def _strategies_for(namespace: str) -> types.SimpleNamespace:
             "wrap the module on the CPU and once for all of a job's stages",
         )
 
-    def build(name: str, mixin: type, base: type) -> type:
-        attributes = {"__module__": __name__, "__qualname__": f"{namespace}.{name}", "__doc__": mixin.__doc__}
-        return type(name, (mixin, base), dict(attributes, _lightning=lightning))
+    def build(public: type, *bases: type) -> type:
+        qualname = f"{namespace}.{public.__name__}"
+        attributes = {"__module__": __name__, "__qualname__": qualname, "__doc__": public.__doc__}
+        return type(public.__name__, bases, {**attributes, "_lightning": lightning})
 
     return types.SimpleNamespace(
-        HydraDDP=build("HydraDDP", _HydraDDP, lightning.strategies.DDPStrategy),
-        HydraFSDP=build("HydraFSDP", _HydraFSDP, lightning.strategies.FSDPStrategy),
+        HydraDDP=build(HydraDDP, _HydraStrategy, lightning.strategies.DDPStrategy),
+        HydraFSDP=build(HydraFSDP, _HydraFSDP, lightning.strategies.FSDPStrategy),
     )
 
 
@@ -1598,13 +1582,19 @@ class _OfTheLightningInUse(type):
 
 
 class HydraDDP(metaclass=_OfTheLightningInUse):
-    """Lightning's ``DDPStrategy`` (of the Lightning your program imported), every child rank
-    running the Hydra job's own task function. See ``_HydraDDP`` for its arguments."""
+    """Lightning's ``DDPStrategy``, with every child rank running the Hydra job's own task function;
+    ``hydra_fsdp.HydraDDP`` builds the one of the Lightning your program imported.
+
+    Extra arguments: ``rank_timeout`` (seconds the fork server may take to start, a child to reach the
+    process group, and to finish after rank 0 finished the job; default 600), ``module_key`` and
+    ``datamodule_key`` (where the fallback finds them in the job's config; default ``module`` and
+    ``datamodule``). The rest is DDPStrategy's.
+    """
 
 
 class HydraFSDP(metaclass=_OfTheLightningInUse):
-    """Lightning's ``FSDPStrategy`` (of the Lightning your program imported), started like
-    HydraDDP. See ``_HydraFSDP`` for its arguments."""
+    """Lightning's ``FSDPStrategy``, started like HydraDDP (the same extra arguments), and able to shard on
+    CPU over gloo; ``hydra_fsdp.HydraFSDP`` builds the one of the Lightning your program imported."""
 
 
 def __getattr__(name: str) -> Any:
