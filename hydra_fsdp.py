@@ -1264,21 +1264,18 @@ class _HydraStrategy:
         datamodule_key: str = "datamodule",
         **kwargs: Any,
     ) -> None:
-        if (
-            isinstance(rank_timeout, bool)
-            or not isinstance(rank_timeout, (int, float))
-            or not rank_timeout > 0
-        ):
+        if type(rank_timeout) is bool or not isinstance(rank_timeout, (int, float)) or not rank_timeout > 0:
             raise ValueError(
                 f"rank_timeout={rank_timeout!r}: expected a number of seconds > 0 (default {DEFAULT_RANK_TIMEOUT:g})."
             )
-        for name, key in (("module_key", module_key), ("datamodule_key", datamodule_key)):
+        config_keys = {"module_key": module_key, "datamodule_key": datamodule_key}
+        for name, key in config_keys.items():
             if not isinstance(key, str) or not key:
                 raise ValueError(f"{name}={key!r}: expected the non-empty name of a key of the job's config.")
         _check_versions(self._lightning, fsdp=isinstance(self, self._lightning.strategies.FSDPStrategy))
         super().__init__(*args, **kwargs)
         self.rank_timeout = rank_timeout
-        self._config_keys = {"module_key": module_key, "datamodule_key": datamodule_key}
+        self._config_keys = config_keys
         self._stage_ckpt_path: Any = None
 
     @property
@@ -1287,11 +1284,9 @@ class _HydraStrategy:
 
     def __repr__(self) -> str:
         # A Trainer of the other namespace refuses the strategy naming it by its repr: say which it is.
-        spellings = " or ".join(
-            f"{__name__}.{namespace}.{type(self).__name__} for a {package}.Trainer"
-            for namespace, package in _NAMESPACES.items()
-        )
-        return f"<{__name__}.{type(self).__qualname__}: use {spellings}>"
+        name = type(self).__name__
+        spellings = [f"{__name__}.{ns}.{name} for a {package}.Trainer" for ns, package in _NAMESPACES.items()]
+        return f"<{__name__}.{type(self).__qualname__}: use {' or '.join(spellings)}>"
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -1307,21 +1302,18 @@ class _HydraStrategy:
 class _HydraFSDP(_HydraStrategy):
     """What HydraFSDP adds besides: sharding on CPU, once for all of a job's stages, and its checkpoints."""
 
-    _sharded: Optional[torch.nn.Module] = None  # the FSDP wrapper of the module of the last stage
+    _sharded: torch.nn.Module | None = None  # the FSDP wrapper of the module of the last stage
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if getattr(self, "_state_dict_type", None) not in ("full", "sharded"):
-            raise _upstream_changed(
-                "FSDPStrategy._state_dict_type", "tell full checkpoints from sharded ones"
-            )
+            raise _upstream_changed("FSDPStrategy._state_dict_type", "tell full from sharded checkpoints")
 
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         # A module sharded by an earlier stage (fit, then test) keeps its wrapper: Lightning would
         # wrap its shards again and break it (Lightning issue #19015).
-        if self._holds_sharded(model):
-            return self._sharded
-        self._sharded = self._wrapped(model)
+        if not self._holds_sharded(model):
+            self._sharded = self._wrapped(model)
         return self._sharded
 
     def _holds_full_parameters(self) -> bool:
@@ -1360,10 +1352,10 @@ class _HydraFSDP(_HydraStrategy):
             return self.model.state_dict()
 
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any = None) -> None:
-        # An nn.Module kept in the hyperparameters (save_hyperparameters() of a `net` argument) is
-        # pickled as it stands: sharded, rank 0's flat shard and empty tensors, which no loader can
-        # put back into a module. For a full checkpoint rank 0 pickles it holding the full state
-        # dict's tensors, stored once, as in DDP's file; a sharded one's metadata, gathered whole.
+        # An nn.Module kept in the hyperparameters (save_hyperparameters() of a `net` argument) is pickled as
+        # it stands: sharded, rank 0's flat shard and empty tensors, which no loader can put back into a
+        # module. For a full checkpoint rank 0 pickles it holding the full state dict's tensors, stored
+        # once, as in DDP's file; a sharded one's metadata, gathered whole.
         modules = _modules_in(checkpoint.get("hyper_parameters"))
         if not modules:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
@@ -1375,14 +1367,12 @@ class _HydraFSDP(_HydraStrategy):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, **kwargs: Any) -> dict:
-        """Load a checkpoint HydraFSDP or HydraDDP wrote, in the layout Lightning's FSDP writes.
-
-        A full checkpoint is loaded memory-mapped, not through Lightning's lazy loader, which cannot
-        rebuild a Parameter pickled in the hyperparameters: mapped, a rank reads a tensor's pages
-        only as it copies its shard, and the ranks share those pages -- what lazy loading was for.
-        A sharded one (a directory) is loaded as Lightning does, but also with an optimizer that
-        holds no per-parameter state (SGD without momentum), whose empty state the shards drop.
-        """
+        """Load a checkpoint HydraFSDP or HydraDDP wrote, in the layout Lightning's FSDP writes. A full
+        one is loaded memory-mapped, not through Lightning's lazy loader, which cannot rebuild a Parameter
+        pickled in the hyperparameters: mapped, a rank reads a tensor's pages only as it copies its shard,
+        and the ranks share those pages -- what lazy loading was for. A sharded one (a directory) is loaded
+        as Lightning does, but also with an optimizer that holds no per-parameter state (SGD without
+        momentum), whose empty state the shards drop."""
         path = Path(self.broadcast(checkpoint_path))
         weights_only = kwargs.get("weights_only")  # Lightning's default, None, is torch.load's default
         fitting = self.lightning_module.trainer.state.fn == "fit"
@@ -1400,10 +1390,8 @@ class _HydraFSDP(_HydraStrategy):
                 self.model.load_state_dict(state["model"], strict=strict)
                 for index, optimizer in enumerate(self.optimizers if fitting else []):
                     key = f"optimizer_{index}"
-                    saved = load_sharded_optimizer_state_dict(
-                        state["model"], key, dcp.FileSystemReader(path)
-                    )[key]
-                    self._load_optimizer(optimizer, {"state": {}, **saved})
+                    saved = load_sharded_optimizer_state_dict(state["model"], key, dcp.FileSystemReader(path))
+                    self._load_optimizer(optimizer, {"state": {}, **saved[key]})
             return torch.load(metadata, weights_only=weights_only)
         checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
         with _full_state_dict_in_place(self.model, rank0_only=False):
@@ -1425,7 +1413,7 @@ class _HydraFSDP(_HydraStrategy):
         if not any(isinstance(key, int) for key in positions):
             return state
         fsdp = _fsdp()
-        entries = state["state"] or dict.fromkeys(positions, {})
+        entries = state["state"] or {key: {} for key in positions}
         named = fsdp.FullyShardedDataParallel.rekey_optim_state_dict(
             {**state, "state": entries}, fsdp.OptimStateKeyType.PARAM_NAME, self.model
         )
@@ -1470,10 +1458,10 @@ def _modules_in(value: Any) -> list:
 
 @contextlib.contextmanager
 def _holding(modules: list, state_dict: dict, root: torch.nn.Module) -> Any:
-    """While the checkpoint is pickled, give ``modules`` (submodules of ``root``) what DDP's would
-    hold: each FSDP unit inside them as the module it wraps (a unit holds process groups, which do
-    not pickle), and each parameter as the tensor of rank 0's full ``state_dict`` (empty on the
-    other ranks, which pickle nothing)."""
+    """While the checkpoint is pickled, give ``modules`` (submodules of ``root``) what DDP's would hold:
+    each FSDP unit inside them as the module it wraps (a unit holds process groups, which do not pickle),
+    and each parameter as the tensor of rank 0's full ``state_dict`` (empty on the other ranks, which
+    pickle nothing)."""
     undo = []
     try:
         for parent in [inner for module in modules for inner in module.modules()]:
@@ -1501,13 +1489,10 @@ def _unwrapped_name(name: str) -> str:
 
 
 def _full_state_dict_in_place(module: torch.nn.Module, rank0_only: bool = True) -> Any:
-    """FSDP's full-state-dict context without ``offload_to_cpu``.
-
-    Lightning always asks FSDP to offload the gathered state to the CPU; with shards already on
-    the CPU that frees memory the state dict still points to, and the process segfaults
-    (Lightning issue #21804). To save, rank 0 alone gathers, as Lightning does; to load, every
-    rank takes its shard of the full state.
-    """
+    """FSDP's full-state-dict context without ``offload_to_cpu``: Lightning always offloads, which with
+    shards already on the CPU frees memory the state dict still points to, and the process segfaults
+    (Lightning issue #21804). To save, rank 0 alone gathers, as Lightning does; to load, every rank
+    takes its shard of the full state."""
     fsdp, config = _fsdp(), {"offload_to_cpu": False, "rank0_only": rank0_only}
     return fsdp.FullyShardedDataParallel.state_dict_type(
         module=module,
@@ -1517,7 +1502,7 @@ def _full_state_dict_in_place(module: torch.nn.Module, rank0_only: bool = True) 
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _strategies_for(namespace: str) -> types.SimpleNamespace:
     """Build HydraDDP and HydraFSDP on one Lightning namespace: each Trainer takes only its own."""
     try:
@@ -1527,11 +1512,9 @@ def _strategies_for(namespace: str) -> types.SimpleNamespace:
             f"hydra_fsdp.{namespace} needs the {_PIP_NAMES[namespace]} package, which is not installed:"
             f" pip install {_PIP_NAMES[namespace]}."
         ) from error
-
-    setup_model = getattr(lightning.strategies.FSDPStrategy, "_setup_model", None)
-    if not callable(setup_model) or setup_model is getattr(
-        lightning.strategies.Strategy, "_setup_model", None
-    ):
+    strategies = lightning.strategies
+    setup_model = getattr(strategies.FSDPStrategy, "_setup_model", None)
+    if not callable(setup_model) or setup_model is getattr(strategies.Strategy, "_setup_model", None):
         raise _upstream_changed(
             f"{_NAMESPACES[namespace]}.strategies.FSDPStrategy._setup_model",
             "wrap the module on the CPU and once for all of a job's stages",
@@ -1543,17 +1526,15 @@ def _strategies_for(namespace: str) -> types.SimpleNamespace:
         return type(public.__name__, bases, {**attributes, "_lightning": lightning})
 
     return types.SimpleNamespace(
-        HydraDDP=build(HydraDDP, _HydraStrategy, lightning.strategies.DDPStrategy),
-        HydraFSDP=build(HydraFSDP, _HydraFSDP, lightning.strategies.FSDPStrategy),
+        HydraDDP=build(HydraDDP, _HydraStrategy, strategies.DDPStrategy),
+        HydraFSDP=build(HydraFSDP, _HydraFSDP, strategies.FSDPStrategy),
     )
 
 
 def _namespace_in_use() -> str:
-    """The Lightning namespace the program imported, which its Trainer comes from.
-
-    Hydra imports a Trainer's class before it builds the strategy nested in its config; where
-    both namespaces are imported, or neither yet, it cannot be told: then the first installed.
-    """
+    """The Lightning namespace the program imported, which its Trainer comes from: Hydra imports a
+    Trainer's class before it builds the strategy nested in its config. Where both namespaces are
+    imported, or neither yet, it cannot be told: then the first installed."""
     imported = [namespace for namespace, package in _NAMESPACES.items() if package in sys.modules]
     if len(imported) == 1:
         return imported[0]
