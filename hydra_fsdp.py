@@ -1156,7 +1156,7 @@ def _shown(value: Any) -> str:
 
 # The oldest releases this file runs on, as pyproject.toml declares them: a copy of the file in
 # someone's project never sees pyproject.toml, so the strategies check when they are built.
-_MINIMUM_VERSIONS = {"torch": "2.3", "hydra-core": "1.3.0", "lightning": "2.2"}
+_MINIMUM_VERSIONS = {"torch": "2.3", "hydra-core": "1.3.0", "pytorch-lightning": "2.2", "lightning": "2.2"}
 # Lightning refuses FSDP without a GPU before 2.3.0 ("GPU accelerator is not used").
 _FSDP_ON_CPU_LIGHTNING = "2.3.0"
 
@@ -1171,44 +1171,32 @@ def _check_versions(lightning: types.ModuleType, fsdp: bool) -> None:
     """Refuse to build a strategy on releases older than it runs on, naming what is needed."""
     import hydra
 
-    lightning_name = _PIP_NAMES[
-        "lightning" if lightning.__name__.startswith("lightning") else "pytorch_lightning"
-    ]
-    found = {
-        "torch": torch.__version__,
-        "hydra-core": hydra.__version__,
-        lightning_name: getattr(lightning, "__version__", None)
-        or sys.modules[lightning.__name__.split(".")[0]].__version__,
-    }
-    needed = dict(_MINIMUM_VERSIONS)
-    needed[lightning_name] = needed.pop("lightning")
-    too_old = [name for name, version in found.items() if _release(version) < _release(needed[name])]
+    package = lightning.__name__.split(".")[0]
+    lightning_name = _PIP_NAMES[package]
+    found = {"torch": torch.__version__, "hydra-core": hydra.__version__}
+    found[lightning_name] = getattr(lightning, "__version__", None) or sys.modules[package].__version__
+    too_old = [name for name in found if _release(found[name]) < _release(_MINIMUM_VERSIONS[name])]
     if too_old:
+        needs = ", ".join(f"{name}>={_MINIMUM_VERSIONS[name]} (found {found[name]})" for name in too_old)
+        install = " ".join(f"'{name}>={_MINIMUM_VERSIONS[name]}'" for name in too_old)
+        raise ImportError(f"hydra_fsdp needs {needs}: pip install {install}.")
+    needed = f"{lightning_name}>={_FSDP_ON_CPU_LIGHTNING}"
+    refuses_the_cpu = _release(found[lightning_name]) < _release(_FSDP_ON_CPU_LIGHTNING)
+    if fsdp and refuses_the_cpu and not torch.cuda.is_available():
         raise ImportError(
-            "hydra_fsdp needs "
-            + ", ".join(f"{name}>={needed[name]} (found {found[name]})" for name in too_old)
-            + ": pip install "
-            + " ".join(f"'{name}>={needed[name]}'" for name in too_old)
-            + "."
+            f"HydraFSDP without a GPU needs {needed} (found {found[lightning_name]}, which refuses FSDP on"
+            f" the CPU): pip install '{needed}', or use HydraDDP."
         )
-    if (
-        fsdp
-        and _release(found[lightning_name]) < _release(_FSDP_ON_CPU_LIGHTNING)
-        and not torch.cuda.is_available()
-    ):
-        raise ImportError(
-            f"HydraFSDP without a GPU needs {lightning_name}>={_FSDP_ON_CPU_LIGHTNING} (found"
-            f" {found[lightning_name]}, which refuses FSDP on the CPU): pip install"
-            f" '{lightning_name}>={_FSDP_ON_CPU_LIGHTNING}', or use HydraDDP."
-        )
+
+
+def _fsdp() -> types.ModuleType:
+    """torch.distributed.fsdp, imported on first use: half a second that importing hydra_fsdp does without."""
+    return importlib.import_module("torch.distributed.fsdp")
 
 
 class _HydraStrategy:
-    """What HydraDDP and HydraFSDP share: the launcher, the rank agreement, process group cleanup.
-
-    Mixed in before Lightning's ``DDPStrategy`` or ``FSDPStrategy`` of one Lightning namespace;
-    ``_lightning`` is that namespace's package (``pytorch_lightning`` or ``lightning.pytorch``).
-    """
+    """What HydraDDP and HydraFSDP add to a Lightning strategy: mixed in before it, with ``_lightning`` the
+    package of its namespace (``pytorch_lightning`` or ``lightning.pytorch``)."""
 
     _lightning: types.ModuleType
 
@@ -1220,21 +1208,18 @@ class _HydraStrategy:
         datamodule_key: str = "datamodule",
         **kwargs: Any,
     ) -> None:
-        if (
-            isinstance(rank_timeout, bool)
-            or not isinstance(rank_timeout, (int, float))
-            or not rank_timeout > 0
-        ):
+        if type(rank_timeout) is bool or not isinstance(rank_timeout, (int, float)) or not rank_timeout > 0:
             raise ValueError(
                 f"rank_timeout={rank_timeout!r}: expected a number of seconds > 0 (default {DEFAULT_RANK_TIMEOUT:g})."
             )
-        for name, key in (("module_key", module_key), ("datamodule_key", datamodule_key)):
+        config_keys = {"module_key": module_key, "datamodule_key": datamodule_key}
+        for name, key in config_keys.items():
             if not isinstance(key, str) or not key:
                 raise ValueError(f"{name}={key!r}: expected the non-empty name of a key of the job's config.")
         _check_versions(self._lightning, fsdp=isinstance(self, self._lightning.strategies.FSDPStrategy))
         super().__init__(*args, **kwargs)
         self.rank_timeout = rank_timeout
-        self._config_keys = {"module_key": module_key, "datamodule_key": datamodule_key}
+        self._config_keys = config_keys
         self._stage_ckpt_path: Any = None
 
     @property
@@ -1243,11 +1228,9 @@ class _HydraStrategy:
 
     def __repr__(self) -> str:
         # A Trainer of the other namespace refuses the strategy naming it by its repr: say which it is.
-        spellings = " or ".join(
-            f"{__name__}.{namespace}.{type(self).__name__} for a {package}.Trainer"
-            for namespace, package in _NAMESPACES.items()
-        )
-        return f"<{__name__}.{type(self).__qualname__}: use {spellings}>"
+        name = type(self).__name__
+        spellings = [f"{__name__}.{ns}.{name} for a {package}.Trainer" for ns, package in _NAMESPACES.items()]
+        return f"<{__name__}.{type(self).__qualname__}: use {' or '.join(spellings)}>"
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -1260,58 +1243,37 @@ class _HydraStrategy:
         return True
 
 
-class _HydraDDP(_HydraStrategy):
-    """Lightning's ``DDPStrategy``, with every child rank running the Hydra job's own task function.
-
-    Extra arguments: ``rank_timeout`` (seconds the fork server may take to start, a child to
-    reach the process group, and to finish after rank 0 finished the job; default 600),
-    ``module_key`` and ``datamodule_key`` (where the fallback finds them in the job's config;
-    default ``module`` and ``datamodule``).
-    The rest is DDPStrategy's.
-    """
-
-
 class _HydraFSDP(_HydraStrategy):
-    """Lightning's ``FSDPStrategy``, started like HydraDDP, and able to shard on CPU over gloo.
+    """What HydraFSDP adds besides: sharding on CPU, once for all of a job's stages, and its checkpoints."""
 
-    Extra arguments as HydraDDP's; the rest is FSDPStrategy's.
-    """
-
-    _sharded: Optional[torch.nn.Module] = None  # the FSDP wrapper of the module of the last stage
+    _sharded: torch.nn.Module | None = None  # the FSDP wrapper of the module of the last stage
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if getattr(self, "_state_dict_type", None) not in ("full", "sharded"):
-            raise _upstream_changed(
-                "FSDPStrategy._state_dict_type", "tell full checkpoints from sharded ones"
-            )
+            raise _upstream_changed("FSDPStrategy._state_dict_type", "tell full from sharded checkpoints")
 
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         # A module sharded by an earlier stage (fit, then test) keeps its wrapper: Lightning would
         # wrap its shards again and break it (Lightning issue #19015).
-        if self._holds_sharded(model):
-            return self._sharded
-        self._sharded = self._wrapped(model)
+        if not self._holds_sharded(model):
+            self._sharded = self._wrapped(model)
         return self._sharded
 
     def _holds_full_parameters(self) -> bool:
         return not self._holds_sharded(self.lightning_module)
 
     def _holds_sharded(self, model: torch.nn.Module) -> bool:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        return isinstance(self._sharded, FullyShardedDataParallel) and self._sharded.module is model
+        return isinstance(self._sharded, _fsdp().FullyShardedDataParallel) and self._sharded.module is model
 
     def _wrapped(self, model: torch.nn.Module) -> torch.nn.Module:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        if self.root_device.type != "cpu" or any(
-            isinstance(m, FullyShardedDataParallel) for m in model.modules()
-        ):
+        fsdp = _fsdp()
+        already_wrapped = any(isinstance(m, fsdp.FullyShardedDataParallel) for m in model.modules())
+        if self.root_device.type != "cpu" or already_wrapped:
             return super()._setup_model(model)
         # Lightning passes device_id=root_device.index, None on CPU, and torch's FSDP then looks for
         # an accelerator; so wrap here with the CPU device and let Lightning finish the setup.
-        wrapped = FullyShardedDataParallel(
+        wrapped = fsdp.FullyShardedDataParallel(
             module=model,
             cpu_offload=self.cpu_offload,
             mixed_precision=self.mixed_precision_config,
@@ -1334,32 +1296,27 @@ class _HydraFSDP(_HydraStrategy):
             return self.model.state_dict()
 
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any = None) -> None:
-        # An nn.Module kept in the hyperparameters (save_hyperparameters() of a `net` argument) is
-        # pickled as it stands: sharded, rank 0's flat shard and empty tensors, which no loader can
-        # put back into a module. For a full checkpoint rank 0 pickles it holding the full state
-        # dict's tensors, stored once, as in DDP's file; a sharded one's metadata, gathered whole.
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
+        # An nn.Module kept in the hyperparameters (save_hyperparameters() of a `net` argument) is pickled as
+        # it stands: sharded, rank 0's flat shard and empty tensors, which no loader can put back into a
+        # module. For a full checkpoint rank 0 pickles it holding the full state dict's tensors, stored
+        # once, as in DDP's file; a sharded one's metadata, gathered whole.
         modules = _modules_in(checkpoint.get("hyper_parameters"))
         if not modules:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         if self._state_dict_type == "full":
             with _holding(modules, checkpoint["state_dict"], self.lightning_module):
                 return super().save_checkpoint(checkpoint, filepath, storage_options)
-        with FullyShardedDataParallel.summon_full_params(self.model, writeback=False, rank0_only=True):
+        summon_full_params = _fsdp().FullyShardedDataParallel.summon_full_params
+        with summon_full_params(self.model, writeback=False, rank0_only=True):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, **kwargs: Any) -> dict:
-        """Load a checkpoint HydraFSDP or HydraDDP wrote, in the layout Lightning's FSDP writes.
-
-        A full checkpoint is loaded memory-mapped, not through Lightning's lazy loader, which cannot
-        rebuild a Parameter pickled in the hyperparameters: mapped, a rank reads a tensor's pages
-        only as it copies its shard, and the ranks share those pages -- what lazy loading was for.
-        A sharded one (a directory) is loaded as Lightning does, but also with an optimizer that
-        holds no per-parameter state (SGD without momentum), whose empty state the shards drop.
-        """
-        from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
-
+        """Load a checkpoint HydraFSDP or HydraDDP wrote, in the layout Lightning's FSDP writes. A full
+        one is loaded memory-mapped, not through Lightning's lazy loader, which cannot rebuild a Parameter
+        pickled in the hyperparameters: mapped, a rank reads a tensor's pages only as it copies its shard,
+        and the ranks share those pages -- what lazy loading was for. A sharded one (a directory) is loaded
+        as Lightning does, but also with an optimizer that holds no per-parameter state (SGD without
+        momentum), whose empty state the shards drop."""
         path = Path(self.broadcast(checkpoint_path))
         weights_only = kwargs.get("weights_only")  # Lightning's default, None, is torch.load's default
         fitting = self.lightning_module.trainer.state.fn == "fit"
@@ -1369,16 +1326,16 @@ class _HydraFSDP(_HydraStrategy):
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
 
-            with FullyShardedDataParallel.state_dict_type(self.model, StateDictType.SHARDED_STATE_DICT):
+            fsdp = _fsdp()
+            sharded_state_dict = fsdp.StateDictType.SHARDED_STATE_DICT
+            with fsdp.FullyShardedDataParallel.state_dict_type(self.model, sharded_state_dict):
                 state = {"model": self.model.state_dict()}
                 dcp.load(state, checkpoint_id=path)
                 self.model.load_state_dict(state["model"], strict=strict)
                 for index, optimizer in enumerate(self.optimizers if fitting else []):
                     key = f"optimizer_{index}"
-                    saved = load_sharded_optimizer_state_dict(
-                        state["model"], key, dcp.FileSystemReader(path)
-                    )[key]
-                    self._load_optimizer(optimizer, {"state": {}, **saved})
+                    saved = load_sharded_optimizer_state_dict(state["model"], key, dcp.FileSystemReader(path))
+                    self._load_optimizer(optimizer, {"state": {}, **saved[key]})
             return torch.load(metadata, weights_only=weights_only)
         checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
         with _full_state_dict_in_place(self.model, rank0_only=False):
@@ -1396,37 +1353,30 @@ class _HydraFSDP(_HydraStrategy):
     def _keyed_by_name(self, state: dict) -> dict:
         """An optimizer state written without FSDP (by DDP) is keyed by position: key it by name.
         torch leaves one without per-parameter entries (SGD without momentum) as it is."""
-        from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType
-
         positions = [key for group in state["param_groups"] for key in group["params"]]
         if not any(isinstance(key, int) for key in positions):
             return state
-        entries = state["state"] or dict.fromkeys(positions, {})
-        named = FullyShardedDataParallel.rekey_optim_state_dict(
-            {**state, "state": entries}, OptimStateKeyType.PARAM_NAME, self.model
+        fsdp = _fsdp()
+        entries = state["state"] or {key: {} for key in positions}
+        named = fsdp.FullyShardedDataParallel.rekey_optim_state_dict(
+            {**state, "state": entries}, fsdp.OptimStateKeyType.PARAM_NAME, self.model
         )
         return {**named, "state": named["state"] if state["state"] else {}}
 
     def _load_optimizer(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        optimizer.load_state_dict(
-            FullyShardedDataParallel.optim_state_dict_to_load(
-                model=self.model, optim=optimizer, optim_state_dict=state
-            )
-        )
+        to_load = _fsdp().FullyShardedDataParallel.optim_state_dict_to_load
+        optimizer.load_state_dict(to_load(model=self.model, optim=optimizer, optim_state_dict=state))
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         if not self._full_state_dict_on_cpu():
             return super().optimizer_state(optimizer)
-        from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType
-
+        fsdp = _fsdp()
         optimizer = getattr(optimizer, "optimizer", optimizer)  # unwrap a LightningOptimizer
         with _full_state_dict_in_place(self.model):
-            state = FullyShardedDataParallel.optim_state_dict(self.model, optimizer)
+            state = fsdp.FullyShardedDataParallel.optim_state_dict(self.model, optimizer)
         if self.global_rank == 0:
-            state = FullyShardedDataParallel.rekey_optim_state_dict(
-                state, OptimStateKeyType.PARAM_ID, self.model
+            state = fsdp.FullyShardedDataParallel.rekey_optim_state_dict(
+                state, fsdp.OptimStateKeyType.PARAM_ID, self.model
             )
         return state
 
@@ -1452,17 +1402,15 @@ def _modules_in(value: Any) -> list:
 
 @contextlib.contextmanager
 def _holding(modules: list, state_dict: dict, root: torch.nn.Module) -> Any:
-    """While the checkpoint is pickled, give ``modules`` (submodules of ``root``) what DDP's would
-    hold: each FSDP unit inside them as the module it wraps (a unit holds process groups, which do
-    not pickle), and each parameter as the tensor of rank 0's full ``state_dict`` (empty on the
-    other ranks, which pickle nothing)."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
+    """While the checkpoint is pickled, give ``modules`` (submodules of ``root``) what DDP's would hold:
+    each FSDP unit inside them as the module it wraps (a unit holds process groups, which do not pickle),
+    and each parameter as the tensor of rank 0's full ``state_dict`` (empty on the other ranks, which
+    pickle nothing)."""
     undo = []
     try:
         for parent in [inner for module in modules for inner in module.modules()]:
             for key, child in list(parent.named_children()):
-                if isinstance(child, FullyShardedDataParallel):
+                if isinstance(child, _fsdp().FullyShardedDataParallel):
                     undo.append(functools.partial(setattr, parent, key, child))
                     setattr(parent, key, child.module)
         names = {id(module): _unwrapped_name(name) for name, module in root.named_modules()}
@@ -1485,29 +1433,20 @@ def _unwrapped_name(name: str) -> str:
 
 
 def _full_state_dict_in_place(module: torch.nn.Module, rank0_only: bool = True) -> Any:
-    """FSDP's full-state-dict context without ``offload_to_cpu``.
-
-    Lightning always asks FSDP to offload the gathered state to the CPU; with shards already on
-    the CPU that frees memory the state dict still points to, and the process segfaults
-    (Lightning issue #21804). To save, rank 0 alone gathers, as Lightning does; to load, every
-    rank takes its shard of the full state.
-    """
-    from torch.distributed.fsdp import (
-        FullStateDictConfig,
-        FullyShardedDataParallel,
-        StateDictType,
-    )
-    from torch.distributed.fsdp.api import FullOptimStateDictConfig
-
-    return FullyShardedDataParallel.state_dict_type(
+    """FSDP's full-state-dict context without ``offload_to_cpu``: Lightning always offloads, which with
+    shards already on the CPU frees memory the state dict still points to, and the process segfaults
+    (Lightning issue #21804). To save, rank 0 alone gathers, as Lightning does; to load, every rank
+    takes its shard of the full state."""
+    fsdp, config = _fsdp(), {"offload_to_cpu": False, "rank0_only": rank0_only}
+    return fsdp.FullyShardedDataParallel.state_dict_type(
         module=module,
-        state_dict_type=StateDictType.FULL_STATE_DICT,
-        state_dict_config=FullStateDictConfig(offload_to_cpu=False, rank0_only=rank0_only),
-        optim_state_dict_config=FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=rank0_only),
+        state_dict_type=fsdp.StateDictType.FULL_STATE_DICT,
+        state_dict_config=fsdp.FullStateDictConfig(**config),
+        optim_state_dict_config=fsdp.api.FullOptimStateDictConfig(**config),
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _strategies_for(namespace: str) -> types.SimpleNamespace:
     """Build HydraDDP and HydraFSDP on one Lightning namespace: each Trainer takes only its own."""
     try:
@@ -1517,32 +1456,29 @@ def _strategies_for(namespace: str) -> types.SimpleNamespace:
             f"hydra_fsdp.{namespace} needs the {_PIP_NAMES[namespace]} package, which is not installed:"
             f" pip install {_PIP_NAMES[namespace]}."
         ) from error
-
-    setup_model = getattr(lightning.strategies.FSDPStrategy, "_setup_model", None)
-    if not callable(setup_model) or setup_model is getattr(
-        lightning.strategies.Strategy, "_setup_model", None
-    ):
+    strategies = lightning.strategies
+    setup_model = getattr(strategies.FSDPStrategy, "_setup_model", None)
+    if not callable(setup_model) or setup_model is getattr(strategies.Strategy, "_setup_model", None):
         raise _upstream_changed(
             f"{_NAMESPACES[namespace]}.strategies.FSDPStrategy._setup_model",
             "wrap the module on the CPU and once for all of a job's stages",
         )
 
-    def build(name: str, mixin: type, base: type) -> type:
-        attributes = {"__module__": __name__, "__qualname__": f"{namespace}.{name}", "__doc__": mixin.__doc__}
-        return type(name, (mixin, base), dict(attributes, _lightning=lightning))
+    def build(public: type, *bases: type) -> type:
+        qualname = f"{namespace}.{public.__name__}"
+        attributes = {"__module__": __name__, "__qualname__": qualname, "__doc__": public.__doc__}
+        return type(public.__name__, bases, {**attributes, "_lightning": lightning})
 
     return types.SimpleNamespace(
-        HydraDDP=build("HydraDDP", _HydraDDP, lightning.strategies.DDPStrategy),
-        HydraFSDP=build("HydraFSDP", _HydraFSDP, lightning.strategies.FSDPStrategy),
+        HydraDDP=build(HydraDDP, _HydraStrategy, strategies.DDPStrategy),
+        HydraFSDP=build(HydraFSDP, _HydraFSDP, strategies.FSDPStrategy),
     )
 
 
 def _namespace_in_use() -> str:
-    """The Lightning namespace the program imported, which its Trainer comes from.
-
-    Hydra imports a Trainer's class before it builds the strategy nested in its config; where
-    both namespaces are imported, or neither yet, it cannot be told: then the first installed.
-    """
+    """The Lightning namespace the program imported, which its Trainer comes from: Hydra imports a
+    Trainer's class before it builds the strategy nested in its config. Where both namespaces are
+    imported, or neither yet, it cannot be told: then the first installed."""
     imported = [namespace for namespace, package in _NAMESPACES.items() if package in sys.modules]
     if len(imported) == 1:
         return imported[0]
@@ -1571,13 +1507,19 @@ class _OfTheLightningInUse(type):
 
 
 class HydraDDP(metaclass=_OfTheLightningInUse):
-    """Lightning's ``DDPStrategy`` (of the Lightning your program imported), every child rank
-    running the Hydra job's own task function. See ``_HydraDDP`` for its arguments."""
+    """Lightning's ``DDPStrategy``, with every child rank running the Hydra job's own task function;
+    ``hydra_fsdp.HydraDDP`` builds the one of the Lightning your program imported.
+
+    Extra arguments: ``rank_timeout`` (seconds the fork server may take to start, a child to reach the
+    process group, and to finish after rank 0 finished the job; default 600), ``module_key`` and
+    ``datamodule_key`` (where the fallback finds them in the job's config; default ``module`` and
+    ``datamodule``). The rest is DDPStrategy's.
+    """
 
 
 class HydraFSDP(metaclass=_OfTheLightningInUse):
-    """Lightning's ``FSDPStrategy`` (of the Lightning your program imported), started like
-    HydraDDP. See ``_HydraFSDP`` for its arguments."""
+    """Lightning's ``FSDPStrategy``, started like HydraDDP (the same extra arguments), and able to shard on
+    CPU over gloo; ``hydra_fsdp.HydraFSDP`` builds the one of the Lightning your program imported."""
 
 
 def __getattr__(name: str) -> Any:
