@@ -395,16 +395,18 @@ class _ForkServer:
         atexit.register(self.close)
 
     def _read_replies(self) -> None:
-        for reply in map(json.loads, self.proc.stdout):
+        try:
+            for reply in map(json.loads, self.proc.stdout):
+                with _server_said:
+                    if "started" in reply:
+                        self.started.append(reply["started"])
+                    else:
+                        self.exit_codes[reply["exited"]] = reply["code"]
+                    _server_said.notify_all()
+        finally:  # the server ended, or its replies did: no wait may outlast it
             with _server_said:
-                if "started" in reply:
-                    self.started.append(reply["started"])
-                else:
-                    self.exit_codes[reply["exited"]] = reply["code"]
+                self.lost = True
                 _server_said.notify_all()
-        with _server_said:
-            self.lost = True
-            _server_said.notify_all()
 
     def start(self, command: list, env: dict, log: Path, timeout: float) -> "_ForkedChild":
         """Have the server fork a child that runs ``command`` with ``env``, writing to ``log``,
