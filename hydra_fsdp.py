@@ -1605,7 +1605,7 @@ def _child_store() -> torch.distributed.TCPStore:
 
 
 def _exit_with_parent() -> None:
-    """End this child if rank 0 dies without ending it (SIGKILL, a crash): never an orphan."""
+    """End this child if the fork server dies without ending it (SIGKILL, a crash): never an orphan."""
     parent = os.getppid()
 
     def watch() -> None:
