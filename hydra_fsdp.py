@@ -943,11 +943,7 @@ def _destroy_process_group() -> None:
         # GIL, and gloo's destructor waits for its worker threads; a worker still freeing a finished
         # collective whose tensor Python already let go of needs the GIL for it: both wait forever
         # (a job's end hung in 6 of 20 fit-then-test runs on torch 2.3).
-        group = torch.distributed.group.WORLD
-        try:
-            backends = [group._get_backend(device) for device in group._device_types]
-        except (AttributeError, RuntimeError):  # a torch that names them otherwise: destroy as before
-            backends = []
+        backends = _backends_of(torch.distributed.group.WORLD)
         torch.distributed.destroy_process_group()
         del backends
     # An init_process_group that failed (a rank died during the rendezvous) counted a group it never
@@ -959,6 +955,15 @@ def _destroy_process_group() -> None:
             "torch.distributed.distributed_c10d._world.group_count", "reset torch's count of process groups"
         )
     world.group_count = 0
+
+
+def _backends_of(group: Any) -> list:
+    """The backends (gloo, NCCL) of ``group``. A function of its own so that no reference to the
+    group outlives its destroy: the last one, let go of holding the GIL, would deadlock as above."""
+    try:
+        return [group._get_backend(device) for device in group._device_types]
+    except (AttributeError, RuntimeError):  # a torch that names them otherwise: destroy as before
+        return []
 
 
 def _end_process_groups_at_exit() -> None:
