@@ -87,6 +87,10 @@ _STAGE_KEY = "hydra_fsdp/stage/{}"  # the fallback: the stages rank 0 runs, in o
 # so that the next job of the sweep neither reuses this job's port nor mistakes itself for a
 # child, and nothing a scheduler set is lost.
 _RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
+# Rank 0 is the sweep: on a dead peer or a collective's timeout its NCCL groups are to abort the
+# communicator and keep the process (2), not tear it down (torch's default, 3), nor kill it minutes
+# after a failed job to dump state. Set, like the above, for its jobs only; a user's value stands.
+_NCCL_KEEPS_THE_PROCESS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
 # How often a wait looks again at what only polling shows (a check-in in the store, the server's
 # pipe): each look is cheap, and each wait is on the path of every job.
 _POLL_INTERVAL = 0.01
@@ -403,6 +407,9 @@ class _ForkServer:
                     else:
                         self.exit_codes[reply["exited"]] = reply["code"]
                     _server_said.notify_all()
+                job = _running_job
+                if reply.get("code") and job is not None:
+                    job.abort_stage_of(reply["exited"])
         finally:  # the server ended, or its replies did: no wait may outlast it
             with _server_said:
                 self.lost = True
@@ -633,7 +640,10 @@ class _Job:
         self.runs_task = True
         self.stages_announced = 0
         self.signal_received: Optional[int] = None
-        self.saved_env = {key: os.environ.get(key) for key in _RENDEZVOUS_ENV}
+        self.in_stage = False
+        self.aborted_for: Optional[int] = None  # the child whose exit aborted a stage's process group
+        self.stage_lock = threading.Lock()  # no abort once the stage has ended
+        self.saved_env = {key: os.environ.get(key) for key in (*_RENDEZVOUS_ENV, *_NCCL_KEEPS_THE_PROCESS)}
         self.store = _job_store(shape.address)
         os.environ["MASTER_PORT"] = str(self.store.port)
         self.signal_watch = _SignalWatch(self.end_on_signal)
@@ -657,6 +667,9 @@ class _Job:
             _share_cpus(shape.world_size)
             _follow_hydra(hydra_job["hydra_context"]).last_shape = shape
             job.runs_task = _rank_launch(job.children, shape, job.store.port, hydra_job)
+            for key, value in _NCCL_KEEPS_THE_PROCESS.items():  # rank 0's own: the children keep torch's
+                if key.removeprefix("TORCH_") not in os.environ:  # nor set under its legacy name
+                    os.environ.setdefault(key, value)
         except BaseException:
             job.close()
             raise
@@ -673,6 +686,33 @@ class _Job:
             self.store.set(_GO_KEY, "1")
             self.going = True
             self.wait_until_checked_in()
+
+    @contextlib.contextmanager
+    def stage(self) -> Any:
+        """While rank 0 runs a stage: a child's failure aborts it (``abort_stage_of``), and then the stage
+        fails with the child's error even if the abort released rank 0 without one."""
+        with self.stage_lock:
+            self.in_stage = True
+        try:
+            yield
+        finally:
+            with self.stage_lock:
+                self.in_stage = False
+        self.raise_if_aborted()
+
+    def abort_stage_of(self, pid: int) -> None:
+        """A child exited with an error (heard on the fork server's thread): abort the process group of a
+        stage rank 0 runs, which NCCL would leave waiting for the dead rank until the group's timeout."""
+        rank = next((rank for rank, proc in list(self.children.items()) if proc.pid == pid), None)
+        with self.stage_lock:
+            if rank is not None and self.in_stage and self.aborted_for is None:
+                self.aborted_for = rank
+                _abort(torch.distributed.group.WORLD)
+
+    def raise_if_aborted(self) -> None:
+        if self.aborted_for is not None:
+            self.end()
+            raise self.children.failure(self.aborted_for)
 
     def wait_until_checked_in(self) -> None:
         """Wait until every child is about to join the process group, failing fast if one cannot."""
@@ -786,7 +826,7 @@ class _Job:
         global _running_job
         atexit.unregister(self.close)
         self.end()
-        _destroy_process_group()
+        _destroy_process_group(aborted=self.aborted_for is not None)
         self.signal_watch.close()
         for key, value in self.saved_env.items():
             if value is None:
@@ -795,6 +835,15 @@ class _Job:
                 os.environ[key] = value
         if _running_job is self:
             _running_job = None
+        if self.aborted_for is not None and torch.cuda.is_initialized():
+            try:  # a peer that died mid-transfer (NVLink) can leave rank 0's CUDA context broken
+                torch.cuda.synchronize()
+            except RuntimeError as error:
+                raise SystemExit(
+                    f"hydra_fsdp: rank 0's CUDA is unusable after child rank {self.aborted_for} died mid-stage"
+                    f" and its process group was aborted ({error}). Every later job of the sweep would fail"
+                    " or run wrong, so the sweep stops here: start the process again (the remaining jobs)."
+                ) from error
 
 
 # The ports of the stores this process made, one a job (see _job_store).
@@ -822,10 +871,11 @@ def _job_store(address: str) -> torch.distributed.TCPStore:
 
 class _FollowHydra(Callback):
     """Added to the running Hydra's callbacks: its start of a job starts the job's ranks if the
-    previous job had ranks (``last_shape``), its end of a job ends them, and its end of the run or
-    sweep ends the fork server."""
+    previous job had ranks (``last_shape``), its end of a job ends them and lets go of what the job
+    held (if these strategies ran it: ``ran``), and its end of the run or sweep ends the fork server."""
 
     last_shape: Optional[_Shape] = None
+    ran: Any = None  # the JobReturn of the last job a strategy of this file ran a stage of
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         # not with a fork server that failed to start: its first stage would wait for one again
@@ -838,6 +888,9 @@ class _FollowHydra(Callback):
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         if _running_job is not None and _running_job.job_return is job_return:
             _running_job.finish(job_return)
+        if self.ran is job_return:
+            self.ran = None
+            _let_go_of_the_job(job_return)
 
     def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
         _close_fork_server()
@@ -934,9 +987,15 @@ def _stage_for_children(trainer: Any, call: dict) -> dict:
     }
 
 
-def _destroy_process_group() -> None:
+def _destroy_process_group(aborted: bool = False) -> None:
     if not torch.distributed.is_available():
         return
+    world = torch.distributed.group.WORLD
+    if aborted and hasattr(world, "abort"):  # torch >= 2.7: a graceful destroy could wait on the dead rank
+        abort = getattr(torch.distributed.distributed_c10d, "_abort_process_group", None)
+        if abort is None:
+            raise _upstream_changed("torch.distributed.distributed_c10d._abort_process_group", "end an aborted group")
+        abort(world)
     if torch.distributed.is_initialized():
         # Hold the group's backends while it is destroyed, and let go of them after: their last
         # reference then goes with the GIL released. torch < 2.4 frees the group itself holding the
@@ -955,6 +1014,19 @@ def _destroy_process_group() -> None:
             "torch.distributed.distributed_c10d._world.group_count", "reset torch's count of process groups"
         )
     world.group_count = 0
+
+
+def _abort(group: Any) -> None:
+    """Abort ``group``'s communicators, from any thread, with what this torch has: ``ProcessGroup.abort``
+    (>= 2.7), else NCCL's ``abort`` (2.6) or ``_shutdown`` (2.3-2.5, where it aborts). Gloo has none and
+    needs none: it fails a collective on a dead peer by itself."""
+    if hasattr(group, "abort"):
+        group.abort()
+        return
+    for backend in _backends_of(group):
+        abort = getattr(backend, "abort", None) or getattr(backend, "_shutdown", None)
+        if abort is not None:
+            abort()
 
 
 def _backends_of(group: Any) -> list:
@@ -976,6 +1048,34 @@ def _end_process_groups_at_exit() -> None:
     """
     _destroy_process_group()
     gc.collect()
+
+
+def _let_go_of_the_job(job_return: Any) -> None:
+    """Free in this process what the job that just ended held, for the next job to start as clean.
+
+    In a sweep every later job runs in this process. What a job leaves is garbage in cycles (the
+    Trainer and its module refer to each other), FSDP's flat parameters, which no collection frees
+    (see ``_cut_loose``), and a failed job's traceback: Hydra keeps the error to the sweep's end,
+    its traceback the frames, and they the module and optimizer -- on a GPU one out-of-memory job
+    would make every later one run out too. The traceback is kept as text (``_add_note``). Nothing
+    the user's code can still reach is emptied: a module the task function returned keeps its weights.
+    """
+    error = getattr(job_return, "_return_value", None) if job_return.status is JobStatus.FAILED else None
+    chain = []
+    while isinstance(error, BaseException) and error not in chain:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    for error in chain:
+        if error.__traceback__ is not None:
+            # From Python 3.11 a cleared frame still holds its function, and a closure what it captured
+            # (Lightning's trainer): clearing the frames is not enough, the traceback itself must go.
+            _add_note(error, "Traceback (most recent call last):\n" + "".join(traceback.format_tb(error.__traceback__)))
+            error.__traceback__ = None
+    while _wrapped_this_job:
+        _cut_loose(_wrapped_this_job.pop())
+    gc.collect()
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def _log_excerpt(log_path: Path) -> list[str]:
@@ -1016,6 +1116,9 @@ class _HydraRankLauncher:
         call = inspect.signature(function).bind(*args, **kwargs).arguments
         strategy._stage_ckpt_path = call.get("ckpt_path")  # for the ranks to compare
         env = strategy.cluster_environment
+        hydra_job = _hydra_job()
+        if hydra_job is not None and "ret" in hydra_job:  # a long-lived process of the sweep: not a child
+            _follow_hydra(hydra_job["hydra_context"]).ran = hydra_job["ret"]
         if env.creates_processes_externally:  # a child rank we started, or torchrun / SLURM
             if _CHILD_ENV in os.environ:
                 _child_store().set(_CHECK_IN_KEY.format(os.environ["LOCAL_RANK"]), "1")
@@ -1030,7 +1133,7 @@ class _HydraRankLauncher:
             )
         shape = _Shape.of(strategy)
         job = _running_job
-        if job is not None and job.job_return is not (_hydra_job() or {}).get("ret"):
+        if job is not None and job.job_return is not (hydra_job or {}).get("ret"):
             job = None
         if job is not None and job.shape != shape:
             if job.going:
@@ -1044,7 +1147,8 @@ class _HydraRankLauncher:
         job = job or _Job.start(shape)
         try:
             job.begin_stage(trainer, call)
-            return function(*args, **kwargs)
+            with job.stage():
+                return function(*args, **kwargs)
         except BaseException as error:
             job_error = job.failed(error)
             if job_error is error:
@@ -1249,6 +1353,11 @@ class _HydraStrategy:
     def _holds_full_parameters(self) -> bool:
         return True
 
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        if _running_job is not None:  # never a checkpoint of a stage whose process group was aborted
+            _running_job.raise_if_aborted()
+        super().save_checkpoint(*args, **kwargs)
+
 
 class _HydraFSDP(_HydraStrategy):
     """What HydraFSDP adds besides: sharding on CPU, once for all of a job's stages, and its checkpoints."""
@@ -1265,6 +1374,7 @@ class _HydraFSDP(_HydraStrategy):
         # wrap its shards again and break it (Lightning issue #19015).
         if not self._holds_sharded(model):
             self._sharded = self._wrapped(model)
+            _wrapped_this_job.append(self._sharded)
         return self._sharded
 
     def _holds_full_parameters(self) -> bool:
@@ -1389,6 +1499,31 @@ class _HydraFSDP(_HydraStrategy):
 
     def _full_state_dict_on_cpu(self) -> bool:
         return self._state_dict_type == "full" and self.root_device.type == "cpu"
+
+
+# The FSDP wrappers the running job built, for its end to cut their flat parameters loose.
+_wrapped_this_job: list = []
+
+
+def _cut_loose(wrapper: torch.nn.Module) -> None:
+    """Let the flat parameters of ``wrapper`` be freed once nothing else holds them.
+
+    A flat parameter (torch's FSDP) refers to the modules it flattened, whose weights are views of
+    it, and a view holds its base from C++, where Python's gc cannot see: so the cycle is never
+    collected (torch >= 2.13; on 2.3 it is). Breaking its references to the modules breaks the
+    cycle; the tensors themselves are left as they are, for whoever still holds them.
+    """
+    for unit in _fsdp().FullyShardedDataParallel.fsdp_modules(wrapper):
+        flat_param = getattr(getattr(unit, "_handle", None), "flat_param", None)
+        if flat_param is None and hasattr(unit, "_handle"):
+            continue  # a unit that holds no parameters of its own
+        if not isinstance(flat_param, torch.nn.Parameter):
+            raise _upstream_changed("FSDP's FlatParamHandle.flat_param", "free a job's flat parameters")
+        for value in flat_param.__dict__.values():  # a post-backward hook a failed step left registered
+            for item in value if isinstance(value, tuple) else (value,):
+                if isinstance(item, torch.utils.hooks.RemovableHandle):
+                    item.remove()
+        flat_param.__dict__.clear()
 
 
 def _metadata_file(checkpoint: Path) -> Path:

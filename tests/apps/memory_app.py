@@ -1,0 +1,133 @@
+"""A sweep whose rank 0 records, at each job's start, what the jobs before it left behind.
+
+Python's automatic gc is off, so that what is still alive before a collection is deterministic: at
+the start of every job, rank 0 (the sweep process) writes to <job dir>/memory.json the bytes of
+live CPU tensors (each storage counted once) before and after ``gc.collect()``, and whether the
+process group and backends of the job before are still alive (weak references taken in its stage).
+
+The model holds 2 x Linear(1600, 1600), 20.5 MB, trained with SGD with momentum, fit then
+test(ckpt_path="best") with a checkpoint of the best epoch. ``plan`` says, per job number, the
+checkpoint layout and whether the job fails: "<full|sharded>[:fail<rank>]" (the failing rank raises
+in its second training step). APP_STRATEGY picks HydraDDP or HydraFSDP; APP_CLOSURE makes the task
+function one no child can import, so the children fall back to the config contract.
+"""
+
+import gc
+import json
+import os
+import weakref
+from pathlib import Path
+
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from hydra_zen import builds, make_config, store
+from shapes import pl
+
+from hydra_fsdp import HydraDDP, HydraFSDP
+
+gc.disable()
+WIDTH = 1600
+PREVIOUS_GROUP: list = []  # weak references to the process group and backends of the last job
+
+
+def live_tensor_bytes() -> int:
+    storages = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+class Big(pl.LightningModule):
+    def __init__(self, job: int = 0, plan: tuple = ("full",)):
+        super().__init__()
+        self.fail_rank = int(plan[job].partition(":fail")[2] or -1)
+        self.net = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU(), torch.nn.Linear(WIDTH, WIDTH))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, idx):
+        if idx == 1 and self.global_rank == self.fail_rank:
+            raise ValueError(f"injected failure on rank {self.global_rank}")
+        return self(batch[0]).pow(2).mean()
+
+    def validation_step(self, batch, idx):
+        self.log("val_loss", self(batch[0]).pow(2).mean(), sync_dist=True)
+
+    test_step = validation_step
+
+    def on_train_start(self):
+        group = torch.distributed.group.WORLD
+        backends = [group._get_backend(torch.device(device)) for device in group._device_types]
+        PREVIOUS_GROUP[:] = [weakref.ref(group)] + [weakref.ref(backend) for backend in backends]
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+    def _data(self):
+        x = torch.randn(32, WIDTH, generator=torch.Generator().manual_seed(0))
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=8)
+
+    train_dataloader = val_dataloader = test_dataloader = _data
+
+
+STRATEGY = {"ddp": builds(HydraDDP, rank_timeout=60), "fsdp": builds(HydraFSDP, rank_timeout=60, state_dict_type="full")}
+Config = make_config(
+    trainer=builds(
+        pl.Trainer,
+        accelerator="cpu",
+        devices=2,
+        max_epochs=1,
+        limit_train_batches=3,
+        limit_val_batches=1,
+        limit_test_batches=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir="${hydra:runtime.output_dir}",
+        callbacks=[builds(pl.callbacks.ModelCheckpoint, monitor="val_loss", save_top_k=1)],
+        strategy=STRATEGY[os.environ.get("APP_STRATEGY", "ddp")],
+    ),
+    module=builds(Big, job="${hydra:job.num}", plan="${plan}"),
+    plan=["full"],
+)
+
+
+def record_what_is_left():
+    if int(os.environ.get("LOCAL_RANK", 0)) != 0:
+        return
+    before = live_tensor_bytes()
+    group_alive_before = [ref() is not None for ref in PREVIOUS_GROUP]
+    gc.collect()
+    memory = {
+        "before_gc": before,
+        "after_gc": live_tensor_bytes(),
+        "group_alive_before_gc": group_alive_before,
+        "group_alive_after_gc": [ref() is not None for ref in PREVIOUS_GROUP],
+        "process_group": torch.distributed.is_initialized(),
+    }
+    Path(HydraConfig.get().runtime.output_dir, "memory.json").write_text(json.dumps(memory))
+
+
+def task(cfg):
+    record_what_is_left()
+    layout = cfg.plan[HydraConfig.get().job.num].split(":")[0]
+    if "state_dict_type" in cfg.trainer.strategy:
+        cfg.trainer.strategy.state_dict_type = layout
+    trainer = instantiate(cfg.trainer)
+    module = instantiate(cfg.module)
+    trainer.fit(module)
+    trainer.test(module, ckpt_path="best")
+
+
+if __name__ == "__main__":
+    store(Config, name="config")
+    store.add_to_hydra_store()
+    # APP_CLOSURE: a task function no child can import, for the fallback
+    run = (lambda cfg: task(cfg)) if os.environ.get("APP_CLOSURE") else task
+    hydra.main(config_name="config", config_path=None, version_base="1.3")(run)()
