@@ -7,9 +7,12 @@ process group and backends of the job before are still alive (weak references ta
 
 The model holds 2 x Linear(1600, 1600), 20.5 MB, trained with SGD with momentum, fit then
 test(ckpt_path="best") with a checkpoint of the best epoch. ``plan`` says, per job number, the
-checkpoint layout and whether the job fails: "<full|sharded>[:fail<rank>]" (the failing rank raises
-in its second training step). APP_STRATEGY picks HydraDDP or HydraFSDP; APP_CLOSURE makes the task
-function one no child can import, so the children fall back to the config contract.
+checkpoint layout, whether the job fails and whether the task function returns the module:
+"<full|sharded>[:fail<rank>][:return]" (the failing rank raises in its second training step). Each
+rank writes <job dir>/env_rank<N>.json, NCCL's error handling variables as it trains, and rank 0
+<job dir>/done.json once the task function's stages are done. APP_STRATEGY picks HydraDDP or
+HydraFSDP; APP_CLOSURE makes the task function one no child can import, so the children fall back
+to the config contract.
 """
 
 import gc
@@ -21,15 +24,23 @@ from pathlib import Path
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from hydra.utils import instantiate
 from hydra_zen import builds, make_config, store
 from shapes import pl
 
 from hydra_fsdp import HydraDDP, HydraFSDP
 
-gc.disable()
 WIDTH = 1600
 PREVIOUS_GROUP: list = []  # weak references to the process group and backends of the last job
+KEPT: list = []  # what KeepReturns saw
+
+
+class KeepReturns(Callback):
+    """A user's Hydra callback: at each job's end it keeps the JobReturn, as a user's code may."""
+
+    def on_job_end(self, config, job_return, **kwargs):
+        KEPT.append(job_return)
 
 
 def live_tensor_bytes() -> int:
@@ -44,8 +55,10 @@ def live_tensor_bytes() -> int:
 class Big(pl.LightningModule):
     def __init__(self, job: int = 0, plan: tuple = ("full",)):
         super().__init__()
-        self.fail_rank = int(plan[job].partition(":fail")[2] or -1)
-        self.net = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU(), torch.nn.Linear(WIDTH, WIDTH))
+        self.fail_rank = next((int(part[4:]) for part in plan[job].split(":") if part.startswith("fail")), -1)
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU(), torch.nn.Linear(WIDTH, WIDTH)
+        )
 
     def forward(self, x):
         return self.net(x)
@@ -64,6 +77,13 @@ class Big(pl.LightningModule):
         group = torch.distributed.group.WORLD
         backends = [group._get_backend(torch.device(device)) for device in group._device_types]
         PREVIOUS_GROUP[:] = [weakref.ref(group)] + [weakref.ref(backend) for backend in backends]
+        nccl = {key: os.environ.get(key) for key in ENV_SEEN}
+        Path(HydraConfig.get().runtime.output_dir, f"env_rank{self.global_rank}.json").write_text(
+            json.dumps(nccl)
+        )
+
+    def on_train_end(self):
+        self.trained_sum = float(sum(p.detach().double().sum() for p in self.parameters()))
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
@@ -75,7 +95,11 @@ class Big(pl.LightningModule):
     train_dataloader = val_dataloader = test_dataloader = _data
 
 
-STRATEGY = {"ddp": builds(HydraDDP, rank_timeout=60), "fsdp": builds(HydraFSDP, rank_timeout=60, state_dict_type="full")}
+ENV_SEEN = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_DUMP_ON_TIMEOUT")
+STRATEGY = {
+    "ddp": builds(HydraDDP, rank_timeout=60),
+    "fsdp": builds(HydraFSDP, rank_timeout=60, state_dict_type="full"),
+}
 Config = make_config(
     trainer=builds(
         pl.Trainer,
@@ -116,16 +140,22 @@ def record_what_is_left():
 
 def task(cfg):
     record_what_is_left()
-    layout = cfg.plan[HydraConfig.get().job.num].split(":")[0]
+    plan = cfg.plan[HydraConfig.get().job.num].split(":")
     if "state_dict_type" in cfg.trainer.strategy:
-        cfg.trainer.strategy.state_dict_type = layout
+        cfg.trainer.strategy.state_dict_type = plan[0]
     trainer = instantiate(cfg.trainer)
     module = instantiate(cfg.module)
     trainer.fit(module)
     trainer.test(module, ckpt_path="best")
+    if trainer.global_rank == 0:
+        Path(HydraConfig.get().runtime.output_dir, "done.json").write_text(
+            json.dumps(trainer.checkpoint_callback.best_model_path)
+        )
+    return module if "return" in plan else None
 
 
 if __name__ == "__main__":
+    gc.disable()  # what a job leaves is then still there at the next one's start, unless freed on purpose
     store(Config, name="config")
     store.add_to_hydra_store()
     # APP_CLOSURE: a task function no child can import, for the fallback

@@ -1,0 +1,119 @@
+"""Long sweeps: every job starts as clean as the first in the sweep process, failed jobs included.
+
+Rank 0 of every job is the sweep process, so whatever a job leaves there every later job inherits
+(on a GPU: device memory). tests/apps/memory_app.py records at each job's start the bytes of live
+tensors rank 0 holds, before and after a gc (Python's automatic gc is off in it), and whether the
+last job's process group and backends are still alive.
+"""
+
+import importlib
+import json
+import os
+import shutil
+import traceback
+
+import pytest
+import torch
+from helpers import APPS, alive, run_app, started_pids
+
+import hydra_fsdp
+
+MODEL_BYTES = 2 * (1600 * 1600 + 1600) * 4  # memory_app's Big: 20.5 MB
+LEFT_AT_MOST = MODEL_BYTES // 5  # what a job may leave: 20% of one model
+
+# name: (strategy, the fallback?, plan: each job's checkpoint layout and failure, see memory_app)
+SWEEPS = {
+    "HydraDDP": ("ddp", False, ["full", "full:fail1", "full", "full:fail0", "full"]),
+    "HydraFSDP": ("fsdp", False, ["full", "full:fail1", "sharded", "sharded:fail0", "full"]),
+    # the children build the config's trainer: the layout cannot vary by job
+    "HydraFSDP, the config contract": ("fsdp", True, ["full", "full:fail1", "full:fail0", "full"]),
+}
+
+
+def memory_app(directory):
+    directory.mkdir(parents=True, exist_ok=True)
+    shutil.copy(APPS / "memory_app.py", directory / "app.py")
+    shutil.copy(APPS / "shapes.py", directory / "shapes.py")
+    return directory
+
+
+@pytest.mark.parametrize("sweep", list(SWEEPS))
+def test_every_job_starts_as_clean_as_the_first(tmp_path, sweep):
+    strategy, fallback, plan = SWEEPS[sweep]
+    app = memory_app(tmp_path)
+    proc = run_app(
+        app,
+        "hydra.sweep.dir=sweep",
+        f"plan=[{','.join(plan)}]",
+        f"+n={','.join(map(str, range(len(plan))))}",
+        strategy=strategy,
+        env={"APP_CLOSURE": "1"} if fallback else None,
+    )
+    jobs = [app / "sweep" / str(job) for job in range(len(plan))]
+    memory = [json.loads((job / "memory.json").read_text()) for job in jobs]
+    table = " ".join(f"{m['before_gc'] / 1e6:.0f}/{m['after_gc'] / 1e6:.0f}" for m in memory)
+    print(f"{sweep}: MB of live tensors at each job's start, before/after a gc: {table}")
+    first = memory[0]["after_gc"]
+    for job, (seen, planned) in enumerate(zip(memory, plan)):
+        left = max(seen["before_gc"], seen["after_gc"]) - first
+        assert left <= LEFT_AT_MOST, f"job {job} started holding {left / 1e6:.1f} MB more than job 0: {table}"
+        assert not any(seen["group_alive_before_gc"]), f"job {job - 1}'s process group or backend is alive"
+        assert not seen["process_group"]
+        assert (jobs[job] / "done.json").exists() == ("fail" not in planned), f"job {job} ({planned})"
+        assert all(not alive(pid) for pid in started_pids(jobs[job]).values())
+    # what a failed job printed kept the error and the lines of the task function that raised it
+    assert proc.returncode != 0 and "Child rank 1 failed" in proc.text()
+    assert "injected failure on rank 1" in proc.text() and 'app.py", line' in proc.text()
+
+
+@pytest.mark.fsdp_cpu
+def test_a_failed_job_keeps_its_error_and_a_returned_module_its_weights(tmp_path, monkeypatch, capsys):
+    """In this process (rank 0 of a hydra_zen.launch sweep): what Hydra, and a user's callback, keep of
+    each job once it ended."""
+    monkeypatch.setenv(hydra_fsdp.LAUNCH_DELAY_ENV, "0")
+    monkeypatch.setenv("APP_STRATEGY", "fsdp")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    memory_app(tmp_path)
+    (tmp_path / "app.py").rename(tmp_path / "memapp.py")
+    memapp = importlib.import_module("memapp")
+    from hydra_zen import launch
+
+    overrides = [
+        "plan=[full:fail1,full:return]",
+        "+n=0,1",
+        "+hydra.callbacks.keep._target_=memapp.KeepReturns",
+    ]
+    try:
+        with pytest.raises(
+            hydra_fsdp.ChildRankError
+        ) as raised:  # Hydra raises the failed job's error at the end
+            launch(
+                memapp.Config,
+                memapp.task,
+                overrides=[*overrides, f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                multirun=True,
+                version_base="1.3",
+            )
+    finally:
+        hydra_fsdp._close_fork_server()  # Hydra ends no sweep that raised: its server would idle till exit
+    failed, returned = memapp.KEPT
+    error = failed._return_value
+    assert error is raised.value and failed.status.name == "FAILED"
+    assert "Child rank 1 failed" in str(error) and isinstance(error.__cause__, RuntimeError)
+    assert error.__context__ is error.__cause__
+    # the traceback of the job let go of, its text kept (printed at once on Python 3.10): the
+    # sweeper's raise gave the error a traceback of its own, which holds no frame of the job
+    assert error.__cause__.__traceback__ is None
+    assert all(frame.f_code.co_name != "task" for frame, _ in traceback.walk_tb(error.__traceback__))
+    notes = getattr(error, "__notes__", None) or [capsys.readouterr().err]
+    assert (
+        "Traceback (most recent call last):" in notes[-1]
+        and "memapp.py" in notes[-1]
+        and "in task" in notes[-1]
+    )
+    module = returned.return_value  # the user's code holds it: its weights stay as trained
+    held = [p.detach() for p in module.parameters()]
+    assert sum(p.numel() for p in held) > 0
+    assert float(sum(p.double().sum() for p in held)) == pytest.approx(module.trained_sum, rel=1e-9)
+    assert not torch.distributed.is_initialized()
