@@ -17,7 +17,9 @@ running job); ``hydra_context.callbacks.callbacks`` (to follow job ends without 
 ``JobReturn._return_value`` (its getter prints Hydra's error line again); torch's
 ``_world.group_count`` (reset after a failed rendezvous) and TCPStore's cache of multi-tenant
 stores (no port reused); ``ProcessGroup._device_types``/``_get_backend`` (torch < 2.4 deadlocked
-destroying a group); ``FSDPStrategy._setup_model`` (wrap on the CPU, once for all stages) and
+destroying a group; NCCL's abort before 2.7, ``_shutdown`` before 2.6) and ``_abort_process_group``
+(an aborted group ends without waiting); FSDP's ``_handle.flat_param`` (freed at a job's end);
+``FSDPStrategy._setup_model`` (wrap on the CPU, once for all stages) and
 ``_state_dict_type``; FSDP's ``_fsdp_wrapped_module`` name part and Lightning's ``meta.pt`` (what a
 checkpoint holds); ``rank_zero_only.rank`` (a forked child's rank).
 """
@@ -994,7 +996,9 @@ def _destroy_process_group(aborted: bool = False) -> None:
     if aborted and hasattr(world, "abort"):  # torch >= 2.7: a graceful destroy could wait on the dead rank
         abort = getattr(torch.distributed.distributed_c10d, "_abort_process_group", None)
         if abort is None:
-            raise _upstream_changed("torch.distributed.distributed_c10d._abort_process_group", "end an aborted group")
+            raise _upstream_changed(
+                "torch.distributed.distributed_c10d._abort_process_group", "end an aborted group"
+            )
         abort(world)
     if torch.distributed.is_initialized():
         # Hold the group's backends while it is destroyed, and let go of them after: their last
@@ -1051,26 +1055,22 @@ def _end_process_groups_at_exit() -> None:
 
 
 def _let_go_of_the_job(job_return: Any) -> None:
-    """Free in this process what the job that just ended held, for the next job to start as clean.
+    """Free what the job that just ended held here: every later job of the sweep runs in this process.
 
-    In a sweep every later job runs in this process. What a job leaves is garbage in cycles (the
-    Trainer and its module refer to each other), FSDP's flat parameters, which no collection frees
-    (see ``_cut_loose``), and a failed job's traceback: Hydra keeps the error to the sweep's end,
-    its traceback the frames, and they the module and optimizer -- on a GPU one out-of-memory job
-    would make every later one run out too. The traceback is kept as text (``_add_note``). Nothing
-    the user's code can still reach is emptied: a module the task function returned keeps its weights.
+    What stays is cyclic garbage (a Trainer and its module), FSDP's flat parameters (``_cut_loose``)
+    and a failed job's traceback, which Hydra keeps to the sweep's end with the error: its frames hold
+    the module and optimizer (on a GPU, one job out of memory and every later one would be). Nothing
+    the user's code can reach is emptied: a module the task function returned keeps its weights.
     """
     error = getattr(job_return, "_return_value", None) if job_return.status is JobStatus.FAILED else None
-    chain = []
-    while isinstance(error, BaseException) and error not in chain:
-        chain.append(error)
+    while isinstance(error, BaseException) and error.__traceback__ is not None:  # the error, its causes
+        # Its text stays. (From Python 3.11 clearing the frames is not enough: a cleared frame holds its
+        # function, and a closure what it captured, such as Lightning's trainer.)
+        _add_note(
+            error, "Traceback (most recent call last):\n" + "".join(traceback.format_tb(error.__traceback__))
+        )
+        error.__traceback__ = None
         error = error.__cause__ or error.__context__
-    for error in chain:
-        if error.__traceback__ is not None:
-            # From Python 3.11 a cleared frame still holds its function, and a closure what it captured
-            # (Lightning's trainer): clearing the frames is not enough, the traceback itself must go.
-            _add_note(error, "Traceback (most recent call last):\n" + "".join(traceback.format_tb(error.__traceback__)))
-            error.__traceback__ = None
     while _wrapped_this_job:
         _cut_loose(_wrapped_this_job.pop())
     gc.collect()
@@ -1506,13 +1506,10 @@ _wrapped_this_job: list = []
 
 
 def _cut_loose(wrapper: torch.nn.Module) -> None:
-    """Let the flat parameters of ``wrapper`` be freed once nothing else holds them.
-
-    A flat parameter (torch's FSDP) refers to the modules it flattened, whose weights are views of
-    it, and a view holds its base from C++, where Python's gc cannot see: so the cycle is never
-    collected (torch >= 2.13; on 2.3 it is). Breaking its references to the modules breaks the
-    cycle; the tensors themselves are left as they are, for whoever still holds them.
-    """
+    """Let the flat parameters of ``wrapper`` be freed once nothing else holds them: a flat parameter
+    refers to the modules it flattened (torch >= 2.13), whose weights are views of it, and to a hook a
+    failed step left on its gradient's node, which holds the module; both edges back go through C++,
+    where Python's gc cannot see a cycle. The tensors themselves stay, for whoever still holds them."""
     for unit in _fsdp().FullyShardedDataParallel.fsdp_modules(wrapper):
         flat_param = getattr(getattr(unit, "_handle", None), "flat_param", None)
         if flat_param is None and hasattr(unit, "_handle"):

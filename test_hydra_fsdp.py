@@ -558,3 +558,85 @@ def test_a_keyboard_interrupt_in_a_stage_stops_the_sweep_as_sigint_does():
     error = hydra_fsdp._Job.failed(job, KeyboardInterrupt())
     assert isinstance(error, SystemExit) and error.code == 128 + signal.SIGINT
     job.end.assert_called_once_with()
+
+
+# --------------------------------------------------------------------------- long sweeps
+
+
+NCCL_ENV = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_DUMP_ON_TIMEOUT")
+
+
+@pytest.mark.parametrize(
+    "users, rank0",
+    [
+        ({}, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}),
+        ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}, {}),
+        ({"NCCL_ASYNC_ERROR_HANDLING": "3"}, {"TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}),  # the legacy name
+    ],
+)
+def test_rank0_nccl_keeps_the_sweep_process_unless_the_user_said_otherwise(
+    tmp_path, monkeypatch, users, rank0
+):
+    for key in NCCL_ENV:
+        monkeypatch.delenv(key, raising=False)
+    seen = {}
+
+    def stage(job, *args):
+        seen.update({key: os.environ.get(key) for key in NCCL_ENV})
+        raise _StopAfterSpawn
+
+    with mock.patch.object(hydra_fsdp._Job, "begin_stage", autospec=True, side_effect=stage):
+        run = launch_with_mocked_children(tmp_path, HydraDDP, devices=3, env=users)
+    assert isinstance(run.error, _StopAfterSpawn)
+    assert seen == {key: None for key in NCCL_ENV} | users | rank0
+    assert not any(key in os.environ for key in NCCL_ENV), "put back as it was after the job"
+    for call in run.start.call_args_list:  # the children keep torch's defaults, or the user's values
+        assert {key: call.args[1].get(key) for key in NCCL_ENV} == {key: None for key in NCCL_ENV} | users
+
+
+def test_the_abort_is_the_one_this_torch_has():
+    """ProcessGroup.abort from torch 2.7; before, the NCCL backend's abort (2.6) or _shutdown (2.3-2.5,
+    where it aborts); gloo's backend has neither (and needs none)."""
+    group = mock.Mock(spec=["abort"])
+    hydra_fsdp._abort(group)
+    group.abort.assert_called_once_with()
+    nccl_2_6, nccl_2_3, gloo = mock.Mock(spec=["abort", "_shutdown"]), mock.Mock(spec=["_shutdown"]), object()
+    backends = {"cuda": nccl_2_6, "cpu": gloo, "meta": nccl_2_3}
+    hydra_fsdp._abort(SimpleNamespace(_device_types=list(backends), _get_backend=backends.get))
+    nccl_2_6.abort.assert_called_once_with()
+    nccl_2_6._shutdown.assert_not_called()
+    nccl_2_3._shutdown.assert_called_once_with()
+
+
+def test_rank0_cuda_unusable_after_an_abort_stops_the_sweep_saying_why(tmp_path, monkeypatch):
+    def aborted(job, *args):
+        job.aborted_for = 1
+        raise _StopAfterSpawn
+
+    def broken():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", broken)
+    with mock.patch.object(hydra_fsdp._Job, "begin_stage", autospec=True, side_effect=aborted):
+        run = launch_with_mocked_children(tmp_path, HydraDDP, devices=2)
+    assert isinstance(run.error, SystemExit), "Hydra's callbacks warn of an Exception, and the sweep goes on"
+    assert "rank 0's CUDA is unusable after child rank 1 died" in str(run.error.code)
+    assert "illegal memory access" in str(run.error.code) and "start the process again" in str(run.error.code)
+    assert hydra_fsdp._running_job is None and not torch.distributed.is_initialized()
+
+
+def test_guard_fsdp_flat_param(monkeypatch):
+    unit = SimpleNamespace(_fsdp_handles=[])  # FSDP keeps its handle under another name now
+    fsdp = hydra_fsdp._fsdp().FullyShardedDataParallel
+    monkeypatch.setattr(fsdp, "fsdp_modules", staticmethod(lambda module: [unit]))
+    with pytest.raises(RankLaunchError, match=r"FlatParamHandle\.flat_param.*" + UPSTREAM_CHANGED):
+        hydra_fsdp._cut_loose(torch.nn.Linear(1, 1))
+
+
+def test_guard_torch_abort_process_group(monkeypatch):
+    world = SimpleNamespace(default_pg=mock.Mock(spec=["abort"]), group_count=0)  # torch >= 2.7
+    monkeypatch.setattr(torch.distributed.distributed_c10d, "_world", world)
+    monkeypatch.delattr(torch.distributed.distributed_c10d, "_abort_process_group", raising=False)
+    with pytest.raises(RankLaunchError, match=r"_abort_process_group.*" + UPSTREAM_CHANGED):
+        hydra_fsdp._destroy_process_group(aborted=True)
