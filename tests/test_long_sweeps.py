@@ -8,7 +8,6 @@ last job's process group and backends are still alive.
 
 import importlib
 import json
-import os
 import shutil
 import traceback
 
@@ -61,6 +60,14 @@ def test_every_job_starts_as_clean_as_the_first(tmp_path, sweep):
         assert not seen["process_group"]
         assert (jobs[job] / "done.json").exists() == ("fail" not in planned), f"job {job} ({planned})"
         assert all(not alive(pid) for pid in started_pids(jobs[job]).values())
+    # rank 0's NCCL aborts rather than kills the sweep process; the children keep torch's defaults
+    nccl = {rank: json.loads((jobs[0] / f"env_rank{rank}.json").read_text()) for rank in (0, 1)}
+    assert nccl[0] == {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+        "NCCL_ASYNC_ERROR_HANDLING": None,
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+    }
+    assert nccl[1] == dict.fromkeys(nccl[1])
     # what a failed job printed kept the error and the lines of the task function that raised it
     assert proc.returncode != 0 and "Child rank 1 failed" in proc.text()
     assert "injected failure on rank 1" in proc.text() and 'app.py", line' in proc.text()
@@ -117,3 +124,29 @@ def test_a_failed_job_keeps_its_error_and_a_returned_module_its_weights(tmp_path
     assert sum(p.numel() for p in held) > 0
     assert float(sum(p.double().sum() for p in held)) == pytest.approx(module.trained_sum, rel=1e-9)
     assert not torch.distributed.is_initialized()
+
+
+def two_gpus():
+    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not two_gpus(), reason="needs 2 CUDA GPUs: NCCL refuses two ranks on one")
+def test_two_gpu_nccl_a_rank_out_of_memory_fails_only_its_job(tmp_path):
+    """NCCL reports no dead peer within a node: without the abort, rank 0 would wait out the group's
+    timeout (30 min) and torch would then kill the sweep process. The sweep's timeout bounds it here."""
+    app = memory_app(tmp_path)
+    plan = ["full:oom1", "full", "full:oom0", "full"]
+    proc = run_app(
+        app, "hydra.sweep.dir=sweep", f"plan=[{','.join(plan)}]", "+n=0,1,2,3", "trainer.accelerator=gpu"
+    )
+    assert proc.returncode != 0 and "Child rank 1 failed" in proc.text() and "out of memory" in proc.text()
+    memory = [json.loads((app / "sweep" / str(job) / "memory.json").read_text()) for job in range(len(plan))]
+    print("cuda bytes allocated at each job's start, after a gc:", [m["cuda_allocated"] for m in memory])
+    for job, planned in enumerate(plan):
+        assert (app / "sweep" / str(job) / "done.json").exists() == ("oom" not in planned), f"job {job}"
+        seen = memory[job]
+        assert max(seen["cuda_allocated_before_gc"], seen["cuda_allocated"]) <= LEFT_AT_MOST, (
+            f"job {job}: {seen}"
+        )
+        assert not any(seen["group_alive_before_gc"])

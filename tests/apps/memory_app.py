@@ -8,7 +8,9 @@ process group and backends of the job before are still alive (weak references ta
 The model holds 2 x Linear(1600, 1600), 20.5 MB, trained with SGD with momentum, fit then
 test(ckpt_path="best") with a checkpoint of the best epoch. ``plan`` says, per job number, the
 checkpoint layout, whether the job fails and whether the task function returns the module:
-"<full|sharded>[:fail<rank>][:return]" (the failing rank raises in its second training step). Each
+"<full|sharded>[:fail<rank>|:oom<rank>][:return]" (the failing rank raises in its second training
+step: a ValueError, or CUDA's out-of-memory error). On a GPU memory.json also holds
+``torch.cuda.memory_allocated()`` before and after the gc, and ``memory_reserved()``. Each
 rank writes <job dir>/env_rank<N>.json, NCCL's error handling variables as it trains, and rank 0
 <job dir>/done.json once the task function's stages are done. APP_STRATEGY picks HydraDDP or
 HydraFSDP; APP_CLOSURE makes the task function one no child can import, so the children fall back
@@ -55,7 +57,8 @@ def live_tensor_bytes() -> int:
 class Big(pl.LightningModule):
     def __init__(self, job: int = 0, plan: tuple = ("full",)):
         super().__init__()
-        self.fail_rank = next((int(part[4:]) for part in plan[job].split(":") if part.startswith("fail")), -1)
+        failing = [part for part in plan[job].split(":") if part.startswith(("fail", "oom"))]
+        self.fail_rank, self.fail_how = (int(failing[0][-1]), failing[0][:-1]) if failing else (-1, "")
         self.net = torch.nn.Sequential(
             torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU(), torch.nn.Linear(WIDTH, WIDTH)
         )
@@ -65,6 +68,8 @@ class Big(pl.LightningModule):
 
     def training_step(self, batch, idx):
         if idx == 1 and self.global_rank == self.fail_rank:
+            if self.fail_how == "oom":  # the most common failure of multi-GPU training
+                torch.empty(1 << 50, dtype=torch.uint8, device=self.device)
             raise ValueError(f"injected failure on rank {self.global_rank}")
         return self(batch[0]).pow(2).mean()
 
@@ -123,14 +128,20 @@ Config = make_config(
 
 
 def record_what_is_left():
-    if int(os.environ.get("LOCAL_RANK", 0)) != 0:
+    if os.environ.get("LOCAL_RANK", "0") != "0":
         return
-    before = live_tensor_bytes()
+    cuda = torch.cuda.is_initialized()
+    before = {
+        "before_gc": live_tensor_bytes(),
+        "cuda_allocated_before_gc": cuda and torch.cuda.memory_allocated(),
+    }
     group_alive_before = [ref() is not None for ref in PREVIOUS_GROUP]
     gc.collect()
     memory = {
-        "before_gc": before,
+        **before,
         "after_gc": live_tensor_bytes(),
+        "cuda_allocated": cuda and torch.cuda.memory_allocated(),
+        "cuda_reserved": cuda and torch.cuda.memory_reserved(),  # what the last job's end gave back
         "group_alive_before_gc": group_alive_before,
         "group_alive_after_gc": [ref() is not None for ref in PREVIOUS_GROUP],
         "process_group": torch.distributed.is_initialized(),
