@@ -58,9 +58,9 @@ def sweep(strategy: str, plan: list) -> bool:
     print(f"\n{strategy}: plan {plan}, {time.monotonic() - started:.0f} s, exit {proc.returncode}")
     good = True
     for job, planned in enumerate(plan):
-        path = app / "sweep" / str(job) / "memory.json"
+        path = app / "sweep" / str(job) / "memory_rank0.json"
         if not path.exists():
-            print(f"  job {job}: no memory.json\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+            print(f"  job {job}: no memory_rank0.json\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
             return False
         m = json.loads(path.read_text())
         done = (app / "sweep" / str(job) / "done.json").exists()

@@ -14,6 +14,7 @@ import traceback
 import pytest
 import torch
 from helpers import APPS, alive, run_app, started_pids
+from test_external import torchrun
 
 import hydra_fsdp
 
@@ -49,7 +50,7 @@ def test_every_job_starts_as_clean_as_the_first(tmp_path, sweep):
         env={"APP_CLOSURE": "1"} if fallback else None,
     )
     jobs = [app / "sweep" / str(job) for job in range(len(plan))]
-    memory = [json.loads((job / "memory.json").read_text()) for job in jobs]
+    memory = [json.loads((job / "memory_rank0.json").read_text()) for job in jobs]
     table = " ".join(f"{m['before_gc'] / 1e6:.0f}/{m['after_gc'] / 1e6:.0f}" for m in memory)
     print(f"{sweep}: MB of live tensors at each job's start, before/after a gc: {table}")
     first = memory[0]["after_gc"]
@@ -71,6 +72,23 @@ def test_every_job_starts_as_clean_as_the_first(tmp_path, sweep):
     # what a failed job printed kept the error and the lines of the task function that raised it
     assert proc.returncode != 0 and "Child rank 1 failed" in proc.text()
     assert "injected failure on rank 1" in proc.text() and 'app.py", line' in proc.text()
+
+
+@pytest.mark.fsdp_cpu
+def test_under_torchrun_every_rank_lets_go_of_each_job(tmp_path):
+    """Under torchrun (and SLURM) every rank is a sweep process of its own: each frees each job's end."""
+    app = memory_app(tmp_path)
+    codes, output, _ = torchrun(app, "plan=[full,sharded,full]", "+n=0,1,2", strategy="fsdp")
+    assert codes == [0], output[-6000:]
+    for rank in (0, 1):
+        memory = [
+            json.loads((app / "sweep" / str(job) / f"memory_rank{rank}.json").read_text()) for job in range(3)
+        ]
+        table = " ".join(f"{m['before_gc'] / 1e6:.0f}/{m['after_gc'] / 1e6:.0f}" for m in memory)
+        print(f"torchrun, rank {rank}: MB of live tensors at each job's start, before/after a gc: {table}")
+        for job, seen in enumerate(memory):
+            left = max(seen["before_gc"], seen["after_gc"]) - memory[0]["after_gc"]
+            assert left <= LEFT_AT_MOST, f"rank {rank}, job {job}: {table}"
 
 
 @pytest.mark.fsdp_cpu
@@ -141,7 +159,9 @@ def test_two_gpu_nccl_a_rank_out_of_memory_fails_only_its_job(tmp_path):
         app, "hydra.sweep.dir=sweep", f"plan=[{','.join(plan)}]", "+n=0,1,2,3", "trainer.accelerator=gpu"
     )
     assert proc.returncode != 0 and "Child rank 1 failed" in proc.text() and "out of memory" in proc.text()
-    memory = [json.loads((app / "sweep" / str(job) / "memory.json").read_text()) for job in range(len(plan))]
+    memory = [
+        json.loads((app / "sweep" / str(job) / "memory_rank0.json").read_text()) for job in range(len(plan))
+    ]
     print("cuda bytes allocated at each job's start, after a gc:", [m["cuda_allocated"] for m in memory])
     for job, planned in enumerate(plan):
         assert (app / "sweep" / str(job) / "done.json").exists() == ("oom" not in planned), f"job {job}"

@@ -1,7 +1,8 @@
 """A sweep whose rank 0 records, at each job's start, what the jobs before it left behind.
 
 Python's automatic gc is off, so that what is still alive before a collection is deterministic: at
-the start of every job, rank 0 (the sweep process) writes to <job dir>/memory.json the bytes of
+the start of every job, rank 0 (the sweep process; under torchrun every rank) writes to
+<job dir>/memory_rank<N>.json the bytes of
 live CPU tensors (each storage counted once) before and after ``gc.collect()``, and whether the
 process group and backends of the job before are still alive (weak references taken in its stage).
 
@@ -9,7 +10,7 @@ The model holds 2 x Linear(1600, 1600), 20.5 MB, trained with SGD with momentum,
 test(ckpt_path="best") with a checkpoint of the best epoch. ``plan`` says, per job number, the
 checkpoint layout, whether the job fails and whether the task function returns the module:
 "<full|sharded>[:fail<rank>|:oom<rank>][:return]" (the failing rank raises in its second training
-step: a ValueError, or CUDA's out-of-memory error). On a GPU memory.json also holds
+step: a ValueError, or CUDA's out-of-memory error). On a GPU memory_rank0.json also holds
 ``torch.cuda.memory_allocated()`` before and after the gc, and ``memory_reserved()``. Each
 rank writes <job dir>/env_rank<N>.json, NCCL's error handling variables as it trains, and rank 0
 <job dir>/done.json once the task function's stages are done. APP_STRATEGY picks HydraDDP or
@@ -128,7 +129,7 @@ Config = make_config(
 
 
 def record_what_is_left():
-    if os.environ.get("LOCAL_RANK", "0") != "0":
+    if "HYDRA_FSDP_CONFIG" in os.environ:  # a child rank hydra_fsdp started: a fresh process every job
         return
     cuda = torch.cuda.is_initialized()
     before = {
@@ -146,7 +147,8 @@ def record_what_is_left():
         "group_alive_after_gc": [ref() is not None for ref in PREVIOUS_GROUP],
         "process_group": torch.distributed.is_initialized(),
     }
-    Path(HydraConfig.get().runtime.output_dir, "memory.json").write_text(json.dumps(memory))
+    rank = os.environ.get("RANK", "0")  # every rank is a sweep process under torchrun
+    Path(HydraConfig.get().runtime.output_dir, f"memory_rank{rank}.json").write_text(json.dumps(memory))
 
 
 def task(cfg):
