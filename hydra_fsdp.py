@@ -878,8 +878,15 @@ class _FollowHydra(Callback):
 
     last_shape: Optional[_Shape] = None
     ran: Any = None  # the JobReturn of the last job a strategy of this file ran a stage of
+    froze = False
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        # What was alive before the job is not what its end collects: frozen meanwhile, it is not scanned
+        # (a full collection over torch and Lightning takes a good part of a second). Not where someone
+        # froze objects of their own (before forking DataLoader workers, say): unfreezing would undo it.
+        if gc.get_freeze_count() == 0:  # (frozen still if the last job raised past its end: SystemExit)
+            gc.freeze()
+            self.froze = True
         # not with a fork server that failed to start: its first stage would wait for one again
         if self.last_shape is not None and _fork_server is not None and _fork_server.proc.poll() is None:
             try:
@@ -893,6 +900,9 @@ class _FollowHydra(Callback):
         if self.ran is job_return:
             self.ran = None
             _let_go_of_the_job(job_return)
+        if self.froze:
+            gc.unfreeze()
+            self.froze = False
 
     def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
         _close_fork_server()

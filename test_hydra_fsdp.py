@@ -640,3 +640,22 @@ def test_guard_torch_abort_process_group(monkeypatch):
     monkeypatch.delattr(torch.distributed.distributed_c10d, "_abort_process_group", raising=False)
     with pytest.raises(RankLaunchError, match=r"_abort_process_group.*" + UPSTREAM_CHANGED):
         hydra_fsdp._destroy_process_group(aborted=True)
+
+
+def test_a_job_end_scans_only_the_jobs_objects_and_leaves_a_users_freeze_alone():
+    import gc
+
+    follower = hydra_fsdp._FollowHydra()
+    assert gc.get_freeze_count() == 0
+    follower.on_job_start(config=None)
+    assert gc.get_freeze_count() > 0, "what the job found alive is frozen while it runs"
+    follower.on_job_end(config=None, job_return=object())
+    assert gc.get_freeze_count() == 0
+    gc.freeze()  # the user's own (before forking DataLoader workers, say)
+    try:
+        frozen = gc.get_freeze_count()
+        follower.on_job_start(config=None)
+        follower.on_job_end(config=None, job_return=object())
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()

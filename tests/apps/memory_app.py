@@ -131,6 +131,10 @@ Config = make_config(
 def record_what_is_left():
     if "HYDRA_FSDP_CONFIG" in os.environ:  # a child rank hydra_fsdp started: a fresh process every job
         return
+    # hydra_fsdp froze what the job found alive (so that its end scans only the job's own objects), and
+    # gc.get_objects() lists no frozen object: unfrozen to count it all, frozen again after
+    frozen = gc.get_freeze_count() > 0
+    gc.unfreeze()
     cuda = torch.cuda.is_initialized()
     before = {
         "before_gc": live_tensor_bytes(),
@@ -147,6 +151,8 @@ def record_what_is_left():
         "group_alive_after_gc": [ref() is not None for ref in PREVIOUS_GROUP],
         "process_group": torch.distributed.is_initialized(),
     }
+    if frozen:
+        gc.freeze()
     rank = os.environ.get("RANK", "0")  # every rank is a sweep process under torchrun
     Path(HydraConfig.get().runtime.output_dir, f"memory_rank{rank}.json").write_text(json.dumps(memory))
 
