@@ -13,7 +13,7 @@ import traceback
 
 import pytest
 import torch
-from helpers import APPS, alive, run_app, started_pids
+from helpers import APPS, FSDP_ON_CPU, alive, run_app, started_pids
 from test_external import torchrun
 
 import hydra_fsdp
@@ -37,7 +37,10 @@ def memory_app(directory):
     return directory
 
 
-@pytest.mark.parametrize("sweep", list(SWEEPS))
+@pytest.mark.parametrize(
+    "sweep",
+    [pytest.param(name, marks=[pytest.mark.fsdp_cpu] * (SWEEPS[name][0] == "fsdp")) for name in SWEEPS],
+)
 def test_every_job_starts_as_clean_as_the_first(tmp_path, sweep):
     strategy, fallback, plan = SWEEPS[sweep]
     app = memory_app(tmp_path)
@@ -91,12 +94,11 @@ def test_under_torchrun_every_rank_lets_go_of_each_job(tmp_path):
             assert left <= LEFT_AT_MOST, f"rank {rank}, job {job}: {table}"
 
 
-@pytest.mark.fsdp_cpu
 def test_a_failed_job_keeps_its_error_and_a_returned_module_its_weights(tmp_path, monkeypatch, capsys):
     """In this process (rank 0 of a hydra_zen.launch sweep): what Hydra, and a user's callback, keep of
-    each job once it ended."""
+    each job once it ended. HydraFSDP, or HydraDDP where Lightning refuses FSDP on the CPU."""
     monkeypatch.setenv(hydra_fsdp.LAUNCH_DELAY_ENV, "0")
-    monkeypatch.setenv("APP_STRATEGY", "fsdp")
+    monkeypatch.setenv("APP_STRATEGY", "fsdp" if FSDP_ON_CPU else "ddp")
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     memory_app(tmp_path)
