@@ -27,6 +27,7 @@ Imported on every rank (``import stub_backend`` registers it; see tests/test_abo
 sitecustomize). ``STUB_BACKEND_LOG`` names a file each rank appends what happened to (the test reads it).
 """
 
+import itertools
 import os
 import sys
 import threading
@@ -38,6 +39,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroupGloo
 
 NAME = "hangs_on_dead_peer"
+_built = itertools.count()
 # What gloo says when the peer's process is gone (its socket closed or reset under a transfer).
 PEER_GONE = ("Connection closed by peer", "Connection reset", "Broken pipe", "Socket closed")
 
@@ -66,9 +68,9 @@ class HangsOnDeadPeer(dist.ProcessGroup):
         super().__init__(rank, size)
         self._gloo = ProcessGroupGloo(store, rank, size, timeout)
         self._timeout = timeout
+        self._number = next(_built)
+        _note(f"building a {NAME} group {self._name()} (rank {rank})")
         self._aborted = threading.Event()
-        self.aborts = 0
-        self.hung = 0
 
     def getBackendName(self):  # what dist.get_backend and DDP's logger read from C++
         return NAME
@@ -77,19 +79,23 @@ class HangsOnDeadPeer(dist.ProcessGroup):
 
     def abort(self):
         """Release every collective blocked on a dead peer; any later one fails (or completes)."""
-        self.aborts += 1
-        _note(f"abort() called (from thread {threading.current_thread().name})")
+        _note(f"abort() called on group {self._name()} (from thread {threading.current_thread().name})")
         self._aborted.set()
+
+    def _name(self):
+        """``#<n> of <size>``: the n-th group this process built (#0: its first job's default group)."""
+        return f"#{self._number} of {self.size()}"
 
     def shutdown(self):
         _note("shutdown() called")
         self._gloo = None
 
     def _run(self, what, start, result):
+        what = f"{what} on group {self._name()}"
         if self._aborted.is_set():
             if os.environ.get("STUB_BACKEND_AFTER_ABORT") == "complete":
                 return _done(result)
-            raise RuntimeError(f"{NAME}: {what} on a communicator was aborted (NCCL: communicator was aborted)")
+            raise RuntimeError(f"{NAME}: {what}: communicator was aborted (as NCCL's after ncclCommAbort)")
         try:
             work = start(self._gloo)
             work.wait()
@@ -97,7 +103,6 @@ class HangsOnDeadPeer(dist.ProcessGroup):
         except RuntimeError as error:
             if not any(text in str(error) for text in PEER_GONE):
                 raise
-            self.hung += 1
             _note(f"{what}: the peer is gone ({str(error).splitlines()[0]}); blocking until abort()")
             # releases the GIL, as a thread blocked in NCCL does; NCCL's watchdog would give up at the
             # group's timeout (30 min by default) and, with TORCH_NCCL_ASYNC_ERROR_HANDLING=2, abort
@@ -208,7 +213,6 @@ def _allreduce_opts(op):
 
 
 def _create(store, rank, size, timeout):
-    _note(f"building a {NAME} group of {size} (rank {rank})")
     return HangsOnDeadPeer(store, rank, size, timeout if timeout is not None else timedelta(minutes=30))
 
 
