@@ -8,7 +8,9 @@ which releases it -- silently, where it was blocked in a CUDA sync. hydra_fsdp r
 
 * every collective is gloo's, on a real gloo group built from the same store;
 * one that fails because the peer is gone does not raise: it blocks, the GIL released, until
-  ``abort()`` is called on the group (from any thread), then returns as if it had completed;
+  ``abort()`` is called on the group (from any thread), then returns as if it had completed; not
+  aborted within the group's timeout, it raises, as NCCL's watchdog would;
+* AVG (which Lightning asks of any backend but gloo) is gloo's SUM, then divided as ncclAvg does;
 * any collective after the abort raises ``RuntimeError("... communicator was aborted ...")``, as
   NCCL's does -- or, with ``STUB_BACKEND_AFTER_ABORT=complete`` in the environment, returns at once
   as if completed: the abort released rank 0 silently and nothing later fails, so Lightning would
@@ -184,7 +186,9 @@ class HangsOnDeadPeer(dist.ProcessGroup):
 
     def _reduce_scatter_base(self, output, input, opts=None):
         opts = opts or dist.ReduceScatterOptions()
-        return self._run("_reduce_scatter_base", lambda g: g._reduce_scatter_base(output, input, opts), [output])
+        return self._run(
+            "_reduce_scatter_base", lambda g: g._reduce_scatter_base(output, input, opts), [output]
+        )
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         opts = opts or dist.AllToAllOptions()
