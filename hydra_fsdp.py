@@ -17,8 +17,8 @@ running job); ``hydra_context.callbacks.callbacks`` (to follow job ends without 
 ``JobReturn._return_value`` (its getter prints Hydra's error line again); torch's
 ``_world.group_count`` (reset after a failed rendezvous) and TCPStore's cache of multi-tenant
 stores (no port reused); ``ProcessGroup._device_types``/``_get_backend`` (torch < 2.4 deadlocked
-destroying a group; NCCL's abort before 2.7, ``_shutdown`` before 2.6) and ``_abort_process_group``
-(an aborted group ends without waiting); FSDP's ``_handle.flat_param`` (freed at a job's end);
+destroying a group; NCCL's abort before 2.7, ``_shutdown`` before 2.6), ``_world.pg_map`` (every
+group aborted) and ``_abort_process_group`` (an aborted group ends without waiting); FSDP's ``_handle.flat_param`` (freed at a job's end);
 ``FSDPStrategy._setup_model`` (wrap on the CPU, once for all stages) and
 ``_state_dict_type``; FSDP's ``_fsdp_wrapped_module`` name part and Lightning's ``meta.pt`` (what a
 checkpoint holds); ``rank_zero_only.rank`` (a forked child's rank).
@@ -709,7 +709,7 @@ class _Job:
         with self.stage_lock:
             if rank is not None and self.in_stage and self.aborted_for is None:
                 self.aborted_for = rank
-                _abort(torch.distributed.group.WORLD)
+                _abort_groups()
 
     def raise_if_aborted(self) -> None:
         if self.aborted_for is not None:
@@ -1030,14 +1030,18 @@ def _destroy_process_group(aborted: bool = False) -> None:
     world.group_count = 0
 
 
-def _abort(group: Any) -> None:
-    """Abort ``group``'s communicators, from any thread, with what this torch has: ``ProcessGroup.abort``
-    (>= 2.7), else NCCL's ``abort`` (2.6) or ``_shutdown`` (2.3-2.5, where it aborts). Gloo has none and
-    needs none: it fails a collective on a dead peer by itself."""
-    if hasattr(group, "abort"):
-        group.abort()
+def _abort_groups() -> None:
+    """Abort the communicators of the process groups, from any thread, with what this torch has:
+    ``ProcessGroup.abort`` of every group (>= 2.7: FSDP's hybrid shards and a DeviceMesh have groups
+    of their own), else the default group's NCCL ``abort`` (2.6) or ``_shutdown`` (2.3-2.5, where it
+    aborts; their NCCL aborts one communicator safely, not several). Gloo has none and needs none:
+    it fails a collective on a dead peer by itself."""
+    world = torch.distributed.group.WORLD
+    if hasattr(world, "abort"):
+        for group in list(getattr(torch.distributed.distributed_c10d._world, "pg_map", None) or [world]):
+            group.abort()
         return
-    for backend in _backends_of(group):
+    for backend in _backends_of(world):
         abort = getattr(backend, "abort", None) or getattr(backend, "_shutdown", None)
         if abort is not None:
             abort()

@@ -594,15 +594,19 @@ def test_rank0_nccl_keeps_the_sweep_process_unless_the_user_said_otherwise(
         assert {key: call.args[1].get(key) for key in NCCL_ENV} == {key: None for key in NCCL_ENV} | users
 
 
-def test_the_abort_is_the_one_this_torch_has():
-    """ProcessGroup.abort from torch 2.7; before, the NCCL backend's abort (2.6) or _shutdown (2.3-2.5,
-    where it aborts); gloo's backend has neither (and needs none)."""
-    group = mock.Mock(spec=["abort"])
-    hydra_fsdp._abort(group)
-    group.abort.assert_called_once_with()
+def test_the_abort_is_the_one_this_torch_has(monkeypatch):
+    """ProcessGroup.abort of every group from torch 2.7; before, the default group's NCCL backend's abort
+    (2.6) or _shutdown (2.3-2.5, where it aborts); gloo's backend has neither (and needs none)."""
+    world, hybrid_shard = mock.Mock(spec=["abort"]), mock.Mock(spec=["abort"])
+    registry = SimpleNamespace(default_pg=world, pg_map={world: None, hybrid_shard: None}, group_count=2)
+    monkeypatch.setattr(torch.distributed.distributed_c10d, "_world", registry)
+    hydra_fsdp._abort_groups()
+    world.abort.assert_called_once_with()
+    hybrid_shard.abort.assert_called_once_with()
     nccl_2_6, nccl_2_3, gloo = mock.Mock(spec=["abort", "_shutdown"]), mock.Mock(spec=["_shutdown"]), object()
     backends = {"cuda": nccl_2_6, "cpu": gloo, "meta": nccl_2_3}
-    hydra_fsdp._abort(SimpleNamespace(_device_types=list(backends), _get_backend=backends.get))
+    registry.default_pg = SimpleNamespace(_device_types=list(backends), _get_backend=backends.get)
+    hydra_fsdp._abort_groups()
     nccl_2_6.abort.assert_called_once_with()
     nccl_2_6._shutdown.assert_not_called()
     nccl_2_3._shutdown.assert_called_once_with()

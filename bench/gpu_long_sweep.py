@@ -6,7 +6,7 @@ NCCL refuses two ranks on one GPU, so the sweep's two-rank jobs share cuda:0 ove
 and HydraFSDP sweeps of tests/apps/memory_app.py (jobs failing on rank 1 and on rank 0), printing
 ``torch.cuda.memory_allocated()`` at each job's start (before and after a gc) and
 ``memory_reserved()`` (what the last job's end gave back). Then, in this process, a world-size-1
-NCCL group whose all-reduce a thread aborts through hydra_fsdp's ``_abort`` (the API this torch
+NCCL group that a thread aborts through hydra_fsdp's ``_abort_groups`` (the API this torch
 has), the group ended as a job's end ends it, and a fresh NCCL group's all-reduce.
 """
 
@@ -83,7 +83,7 @@ def abort_then_fresh_group() -> bool:
     tensor = torch.ones(1 << 20, device="cuda")
     dist.all_reduce(tensor)
     torch.cuda.synchronize()
-    aborter = threading.Thread(target=hydra_fsdp._abort, args=(dist.group.WORLD,))
+    aborter = threading.Thread(target=hydra_fsdp._abort_groups)
     started = time.monotonic()
     aborter.start()
     aborter.join(timeout=60)

@@ -6,7 +6,7 @@ the child's exit (``_Job.abort_stage_of``). Gloo, which every other CPU test run
 collective by itself, so this path runs only here: on ``tests/apps/stub_backend.py``, gloo wrapped
 to block on a dead peer until ``abort()`` (and then return silently, as NCCL's abort releases a
 thread blocked in a CUDA sync), imported on every rank of the sweep by a ``sitecustomize``.
-The last test (strict xfail) shows what the abort does not reach: a collective on another group.
+The last test: the abort releases a collective on any group, not only the default one.
 """
 
 import json
@@ -181,7 +181,7 @@ def test_an_abort_that_releases_rank0_silently_still_fails_the_job(app, on_stub_
 
 # Rank 0 blocked in a collective on a group other than the default one -- FSDP's HYBRID_SHARD groups,
 # a DeviceMesh's, a user's new_group -- when its peer dies, and hydra_fsdp aborting as the fork server's
-# reader thread does (``_abort(WORLD)``): is rank 0 released? (The subgroup's timeout is 5 s here, 30 min
+# reader thread does (``_abort_groups()``): is rank 0 released? (The subgroup's timeout is 5 s here, 30 min
 # by default.)
 ONE_RANK = """
 import os, sys, threading, time
@@ -195,7 +195,7 @@ if rank == 1:
     os.kill(os.getpid(), 9)
 def abort_as_hydra_fsdp_does():
     time.sleep(0.5)
-    hydra_fsdp._abort(torch.distributed.group.WORLD)
+    hydra_fsdp._abort_groups()
 threading.Thread(target=abort_as_hydra_fsdp_does, name="hydra-fsdp-fork-server").start()
 started = time.monotonic()
 try:
@@ -210,14 +210,7 @@ except RuntimeError as error:
     "group",
     [
         "default",
-        pytest.param(
-            "subgroup",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="hydra_fsdp._abort aborts the default group alone (ProcessGroup.abort of WORLD);"
-                " a collective on another group waits for that group's timeout",
-            ),
-        ),
+        "subgroup",
     ],
 )
 def test_the_abort_releases_a_collective_on_any_group(tmp_path, group):
