@@ -52,10 +52,11 @@ import threading
 import time
 import traceback
 import types
+from collections.abc import Callable
 from datetime import timedelta
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed
@@ -66,7 +67,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-__all__ = ["HydraDDP", "HydraFSDP", "RankLaunchError", "ChildRankError"]
+__all__ = ["ChildRankError", "HydraDDP", "HydraFSDP", "RankLaunchError"]
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ def _launch_delay() -> float:
     return delay
 
 
-def _hydra_job() -> Optional[dict]:
+def _hydra_job() -> dict | None:
     """The locals of the frame running this process's Hydra job, or None outside one: Hydra's
     ``run_job`` (on rank 0, under torchrun or SLURM) or ``_run_child_rank`` (a child we started)."""
     from hydra.core.utils import run_job
@@ -257,13 +258,13 @@ def _unwrapped(wrapper: Any, wrappers: int) -> Callable:
     return wrapper
 
 
-def _pickled_task(task_function: Callable) -> tuple[Optional[bytes], str]:
+def _pickled_task(task_function: Callable) -> tuple[bytes | None, str]:
     """The task function pickled by reference and ``""``, or None and why a child cannot have it."""
     buffer = io.BytesIO()
     pickler = _TaskPickler(buffer)
     try:
         pickler.dump(task_function)
-    except Exception as error:  # PicklingError, or whatever an object's own __reduce__ raises
+    except Exception as error:  # noqa: BLE001 - PicklingError, or what an object's own __reduce__ raises
         return None, f"the task function cannot be pickled by reference: {error}"
     if "__main__" in pickler.modules and not _launching_script():
         return None, (
@@ -350,12 +351,12 @@ def _rank_launch(children: "_ChildRanks", shape: "_Shape", port: int, hydra_job:
 
 
 # The fork server of this sweep, started by its first job that has child ranks.
-_fork_server: Optional["_ForkServer"] = None
+_fork_server: "_ForkServer | None" = None
 # Notified whenever a fork server says something: a child started or exited, or the server ended.
 _server_said = threading.Condition()
 
 
-def _wait_until(done: Callable[[], Any], timeout: Optional[float]) -> bool:
+def _wait_until(done: Callable[[], Any], timeout: float | None) -> bool:
     """Whether ``done()`` holds within ``timeout`` s. Asked again the moment a fork server says
     something, and every ``_POLL_INTERVAL`` for what only polling shows (a check-in)."""
     deadline = math.inf if timeout is None else time.monotonic() + timeout
@@ -469,10 +470,10 @@ class _ForkedChild:
         self.server = server
         self.pid = pid
 
-    def poll(self) -> Optional[int]:
+    def poll(self) -> int | None:
         return self.server.exit_codes.get(self.pid, -signal.SIGKILL if self.server.lost else None)
 
-    def wait(self, timeout: Optional[float] = None) -> int:
+    def wait(self, timeout: float | None = None) -> int:
         if not _wait_until(lambda: self.poll() is not None, timeout):
             raise subprocess.TimeoutExpired(f"child rank pid {self.pid}", timeout)
         return self.poll()
@@ -559,7 +560,7 @@ def _run_forked(request: dict, lightning: str, replies: int, sigint: Any) -> Non
         if "numpy" in sys.modules:  # else every fork draws the server's numbers
             sys.modules["numpy"].random.seed()
         _run_child_rank(request["command"][-1])
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - whatever it is, its traceback goes to the child's log
         traceback.print_exc()
     os._exit(1)
 
@@ -568,7 +569,7 @@ def _run_forked(request: dict, lightning: str, replies: int, sigint: Any) -> Non
 
 
 # The job whose child ranks are running, from its first stage until Hydra ends it.
-_running_job: Optional["_Job"] = None
+_running_job: "_Job | None" = None
 
 
 class _Shape(NamedTuple):
@@ -601,7 +602,7 @@ class _ChildRanks(dict):
     def running(self) -> list:
         return [rank for rank, proc in self.items() if proc.poll() is None]
 
-    def failed(self) -> Optional[int]:
+    def failed(self) -> int | None:
         """The first rank that exited with an error, if any."""
         return next((rank for rank, proc in self.items() if proc.poll() not in (None, 0)), None)
 
@@ -641,9 +642,9 @@ class _Job:
         self.going = False
         self.runs_task = True
         self.stages_announced = 0
-        self.signal_received: Optional[int] = None
+        self.signal_received: int | None = None
         self.in_stage = False
-        self.aborted_for: Optional[int] = None  # the child whose exit aborted a stage's process group
+        self.aborted_for: int | None = None  # the child whose exit aborted a stage's process group
         self.stage_lock = threading.Lock()  # no abort once the stage has ended
         self.saved_env = {key: os.environ.get(key) for key in (*_RENDEZVOUS_ENV, *_NCCL_KEEPS_THE_PROCESS)}
         self.store = _job_store(shape.address)
@@ -784,7 +785,7 @@ class _Job:
         finally:
             self.close()
 
-    def wait_until_exited(self) -> Optional[ChildRankError]:
+    def wait_until_exited(self) -> ChildRankError | None:
         """Wait for every child to finish the job: the job's error if one failed or would not."""
         if not _wait_until(self.children.settled, self.shape.rank_timeout):
             late = self.children.running()
@@ -796,7 +797,7 @@ class _Job:
         failed = self.children.failed()
         return None if failed is None else self.children.failure(failed)
 
-    def note_ended_children(self, error: Optional[BaseException]) -> None:
+    def note_ended_children(self, error: BaseException | None) -> None:
         """Have every running child dump its stack to its log, then say so under rank 0's error."""
         running = self.children.running()
         if not running:
@@ -876,7 +877,7 @@ class _FollowHydra(Callback):
     previous job had ranks (``last_shape``), its end of a job ends them and lets go of what the job
     held (if these strategies ran it: ``ran``), and its end of the run or sweep ends the fork server."""
 
-    last_shape: Optional[_Shape] = None
+    last_shape: _Shape | None = None
     ran: Any = None  # the JobReturn of the last job a strategy of this file ran a stage of
     froze = False
 
@@ -889,10 +890,8 @@ class _FollowHydra(Callback):
             self.froze = True
         # not with a fork server that failed to start: its first stage would wait for one again
         if self.last_shape is not None and _fork_server is not None and _fork_server.proc.poll() is None:
-            try:
+            with contextlib.suppress(Exception):  # the job's first stage starts it again, and reports it
                 _Job.start(self.last_shape)
-            except Exception:  # the job's first stage starts it again, and reports what went wrong
-                pass
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         if _running_job is not None and _running_job.job_return is job_return:
@@ -935,7 +934,7 @@ class _SignalWatch:
     """
 
     def __init__(self, on_signal: Callable[[int], None]) -> None:
-        self.thread: Optional[threading.Thread] = None
+        self.thread: threading.Thread | None = None
         self.sigterm_was = None
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers and the wakeup fd belong to the main thread
@@ -1708,7 +1707,7 @@ def _run_child_rank(config_path: str) -> None:
     try:
         task_function(task_cfg)
         exit_code = 0
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - the job's error, as Hydra prints it, to the child's log
         traceback.print_exc()
         exit_code = 1
     # Exit now: at interpreter shutdown torch's C++ threads (gloo's, of a group an FSDP module
