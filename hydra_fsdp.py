@@ -644,7 +644,8 @@ class _Job:
         self.stages_announced = 0
         self.signal_received: int | None = None
         self.in_stage = False
-        self.aborted_for: int | None = None  # the child whose exit aborted a stage's process group
+        self.aborted = False  # its process groups: a collective after that fails at once, never waits
+        self.aborted_for: int | None = None  # the child whose exit aborted them: no checkpoint after it
         self.stage_lock = threading.Lock()  # no abort once the stage has ended
         self.saved_env = {key: os.environ.get(key) for key in (*_RENDEZVOUS_ENV, *_NCCL_KEEPS_THE_PROCESS)}
         self.store = _job_store(shape.address)
@@ -708,8 +709,8 @@ class _Job:
         stage rank 0 runs, which NCCL would leave waiting for the dead rank until the group's timeout."""
         rank = next((rank for rank, proc in list(self.children.items()) if proc.pid == pid), None)
         with self.stage_lock:
-            if rank is not None and self.in_stage and self.aborted_for is None:
-                self.aborted_for = rank
+            if rank is not None and self.in_stage and not self.aborted:
+                self.aborted, self.aborted_for = True, rank
                 _abort_groups()
 
     def raise_if_aborted(self) -> None:
@@ -758,12 +759,15 @@ class _Job:
         elif not isinstance(error, (ChildRankError, RankLaunchError, KeyboardInterrupt, SystemExit)):
             # a collective that failed because a child failed: the child's error is the job's
             _wait_until(self.children.settled, _PEER_EXIT_GRACE)
-            failed = self.children.failed()
-            if failed is not None:
-                error = self.children.failure(failed)
+            self.aborted_for = self.children.failed()
+            if self.aborted_for is not None:
+                error = self.children.failure(self.aborted_for)
             else:  # rank 0's own error, or a collective that timed out on a child that hangs
                 self.note_ended_children(error)
         self.end()
+        if not self.aborted:  # on NCCL, a collective of Lightning's exception hooks would wait for the ended
+            self.aborted = True
+            _abort_groups()
         return error
 
     def finish(self, job_return: Any) -> None:
@@ -829,7 +833,7 @@ class _Job:
         global _running_job
         atexit.unregister(self.close)
         self.end()
-        _destroy_process_group(aborted=self.aborted_for is not None)
+        _destroy_process_group(aborted=self.aborted)
         self.signal_watch.close()
         for key, value in self.saved_env.items():
             if value is None:
@@ -838,14 +842,14 @@ class _Job:
                 os.environ[key] = value
         if _running_job is self:
             _running_job = None
-        if self.aborted_for is not None and torch.cuda.is_initialized():
-            try:  # a peer that died mid-transfer (NVLink) can leave rank 0's CUDA context broken
+        if self.aborted and torch.cuda.is_initialized():
+            try:  # a peer that died mid-transfer (NVLink), or rank 0's own fault, can leave it broken
                 torch.cuda.synchronize()
             except RuntimeError as error:
                 raise SystemExit(
-                    f"hydra_fsdp: rank 0's CUDA is unusable after child rank {self.aborted_for} died mid-stage"
-                    f" and its process group was aborted ({error}). Every later job of the sweep would fail"
-                    " or run wrong, so the sweep stops here: start the process again (the remaining jobs)."
+                    f"hydra_fsdp: rank 0's CUDA is unusable after this job failed and its process groups were"
+                    f" aborted ({error}). Every later job of the sweep would fail or run wrong, so the sweep"
+                    " stops here: start the process again (for the remaining jobs)."
                 ) from error
 
 

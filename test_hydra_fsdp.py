@@ -614,7 +614,7 @@ def test_the_abort_is_the_one_this_torch_has(monkeypatch):
 
 def test_rank0_cuda_unusable_after_an_abort_stops_the_sweep_saying_why(tmp_path, monkeypatch):
     def aborted(job, *args):
-        job.aborted_for = 1
+        job.aborted = True
         raise _StopAfterSpawn
 
     def broken():
@@ -625,7 +625,7 @@ def test_rank0_cuda_unusable_after_an_abort_stops_the_sweep_saying_why(tmp_path,
     with mock.patch.object(hydra_fsdp._Job, "begin_stage", autospec=True, side_effect=aborted):
         run = launch_with_mocked_children(tmp_path, HydraDDP, devices=2)
     assert isinstance(run.error, SystemExit), "Hydra's callbacks warn of an Exception, and the sweep goes on"
-    assert "rank 0's CUDA is unusable after child rank 1 died" in str(run.error.code)
+    assert "rank 0's CUDA is unusable after this job failed" in str(run.error.code)
     assert "illegal memory access" in str(run.error.code) and "start the process again" in str(run.error.code)
     assert hydra_fsdp._running_job is None and not torch.distributed.is_initialized()
 
