@@ -25,6 +25,13 @@ a ProcessGroup subclass is the group itself (``_new_process_group_helper``), so
 ``init_process_group(backend=NAME)`` -- Lightning's ``DDPStrategy(process_group_backend=NAME)`` --
 builds it. torch >= 2.7 (``ProcessGroup.abort`` is bound, and hydra_fsdp calls it from its thread).
 
+ProcessGroup's bindings of the newer single-tensor names (``all_gather_single``,
+``reduce_scatter_single``; torch 2.13 and 2.15 alike) do not reach the trampoline: they ask the group
+for its backend for the tensor's device, and this group registers none ("No backend type associated
+with device type cpu"). torch 2.15's ``all_gather_object`` (hydra_fsdp's ``_check_ranks_agree``) calls
+``all_gather_single``, where 2.13's called ``allgather``; so the class defines those names itself
+(Python finds them before the binding), as gloo's ``_allgather_base``/``_reduce_scatter_base``...
+
 Imported on every rank (``import stub_backend`` registers it; see tests/test_abort.py's
 sitecustomize). ``STUB_BACKEND_LOG`` names a file each rank appends what happened to (the test reads it).
 """
@@ -197,6 +204,20 @@ class HangsOnDeadPeer(dist.ProcessGroup):
             lambda g: g.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts),
             [output],
         )
+
+    def gather_single(self, output, input, opts=None):
+        opts = opts or dist.GatherOptions()
+        return self._run("gather_single", lambda g: g.gather_single(output, input, opts), [output])
+
+    # The Python API's single-tensor names: ProcessGroup's binding of all_gather_single and
+    # reduce_scatter_single asks for the group's backend for the device (it has none), not the
+    # trampoline; torch 2.15's all_gather_object calls group.all_gather_single. Python finds these first.
+    all_gather_single = _allgather_base
+    reduce_scatter_single = _reduce_scatter_base
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        return self.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
 
     def barrier(self, opts=None):
         opts = opts if isinstance(opts, dist.BarrierOptions) else dist.BarrierOptions()
