@@ -161,7 +161,7 @@ def test_an_abort_that_releases_rank0_silently_still_fails_the_job(app, on_stub_
     assert proc.returncode != 0, f"job 0 must fail:\n{text[-6000:]}"
     assert "ChildRankError: Child rank 1 failed" in text and "killed by SIGKILL" in text, text[-6000:]
     assert "communicator was aborted" not in text
-    how, aborted, released, ended = assert_aborted_in_seconds(app, log)
+    how, aborted, _released, ended = assert_aborted_in_seconds(app, log)
     job0 = app / "sweep" / "0"
     assert not checkpoints(job0), f"a checkpoint was written after the abort: {checkpoints(job0)}"
     if checkpointing:  # the epoch's checkpoint is where rank 0 stopped: hydra_fsdp's save_checkpoint
