@@ -36,7 +36,7 @@ def job_dir():
 
 
 def local_rank():
-    return int(os.environ.get("LOCAL_RANK", 0))
+    return int(os.environ.get("LOCAL_RANK", "0"))
 
 
 class Tiny(pl.LightningModule):
