@@ -14,16 +14,16 @@ under DDP as under FSDP: the runs that load one set ``TORCH_FORCE_NO_WEIGHTS_ONL
 user's own way to allow it, and one test checks the refusal.
 """
 
-import functools
 import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import APPS, app_env, ok, records, run
+from helpers import APPS, SWEEP_TIMEOUT, Run, app_env, ok, records, run
 from shared import case_overrides, nothing_outlives
 
 pytestmark = pytest.mark.fsdp_cpu  # every test loads what HydraFSDP wrote on the CPU
@@ -41,23 +41,34 @@ JOBS = {  # the writing sweep's jobs, in Hydra's order
 
 
 SUM_OF = """
-import sys, torch
+import json, sys, torch
 sys.path.insert(0, ".")  # the checkpoint pickles the app's own classes
-state_dict = torch.load(sys.argv[1], map_location="cpu", weights_only=False)["state_dict"]
-print(sum(float(tensor.double().sum()) for tensor in state_dict.values()))
+sums = {}
+for path in sys.argv[1:]:
+    state_dict = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+    sums[path] = sum(float(tensor.double().sum()) for tensor in state_dict.values())
+print(json.dumps(sums))
 """
+SUMS = {}  # checkpoint path: the sum of its weights
 
 
-@functools.cache
+def checkpoint_sums(paths):
+    """The sum of each checkpoint's weights, by path; a sharded one is read through its consolidated
+    file. One process reads all those not read yet (each one started imports torch: seconds)."""
+    paths = [Path(path) for path in paths]
+    consolidated_at_once([path for path in paths if path.is_dir()])
+    files = {str(path): consolidated(path) if path.is_dir() else path for path in paths}
+    unread = sorted({str(file) for file in files.values()} - set(SUMS))
+    if unread:
+        proc = subprocess.run([sys.executable, "-c", SUM_OF, *unread], cwd=project_of(unread[0]),
+                              capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        SUMS.update(json.loads(proc.stdout.splitlines()[-1]))
+    return {path: SUMS[str(file)] for path, file in files.items()}
+
+
 def checkpoint_sum(path):
-    """The sum of a checkpoint's weights; a sharded one is read through its consolidated file."""
-    path = Path(path)
-    if path.is_dir():
-        path = consolidated(path)
-    proc = subprocess.run([sys.executable, "-c", SUM_OF, str(path)], cwd=project_of(path), capture_output=True,
-                          text=True, timeout=120, check=False)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    return float(proc.stdout.split()[-1])
+    return checkpoint_sums([path])[str(path)]
 
 
 def consolidated(directory):
@@ -70,6 +81,19 @@ def consolidated(directory):
     return target
 
 
+def consolidated_at_once(directories):
+    """consolidated() of several sharded checkpoints, side by side: one process each."""
+    todo = [d for d in directories if not d.with_name(d.name + ".consolidated").exists()]
+    command = [sys.executable, "-m", "lightning.pytorch.utilities.consolidate_checkpoint"]
+    runs = [Run([*command, str(d)], project_of(d), app_env(env=TRUSTED)) for d in todo]
+    try:
+        for proc in runs:
+            ok(proc.wait(max(1.0, proc.started + 120 - time.monotonic())))
+    finally:
+        for proc in runs:
+            proc.end()
+
+
 def project_of(path):
     return next(parent for parent in Path(path).parents if (parent / ".project-root").exists())
 
@@ -77,6 +101,23 @@ def project_of(path):
 def script(project, name, *overrides, env=TRUSTED, multirun=False):
     command = [sys.executable, f"src/{name}.py"] + (["-m"] if multirun else []) + list(overrides)
     return run(command, project, app_env(env=env))
+
+
+def scripts_at_once(project, runs):
+    """Start runs that do not depend on each other side by side ({name: (script, overrides, env)}),
+    each in a session of its own; wait for every one. Returns {name: its Run}: each its own output
+    and exit code. A run that outlives SWEEP_TIMEOUT fails the test, and every run is ended."""
+    started = {
+        name: Run([sys.executable, f"src/{script_name}.py", *overrides], project, app_env(env=env))
+        for name, (script_name, overrides, env) in runs.items()
+    }
+    try:
+        for proc in started.values():
+            proc.wait(max(1.0, proc.started + SWEEP_TIMEOUT - time.monotonic()))
+    finally:
+        for proc in started.values():
+            proc.end()
+    return started
 
 
 def choosing(trainer, model):
@@ -103,6 +144,7 @@ def project(tmp_path_factory):
     for (trainer, model), job in JOBS.items():
         overrides = (root / "sweep" / str(job) / ".hydra" / "overrides.yaml").read_text()
         assert f"trainer={trainer}\n" in overrides and f"model={model}\n" in overrides, overrides
+    checkpoint_sums(root.glob("sweep/*/checkpoints/*.ckpt"))  # read at once, in 3 processes or so
     return root
 
 
@@ -183,6 +225,7 @@ def staged(project):
     with nothing_outlives("the sweep of stages.py"):
         proc = ok(script(project, "stages", "hydra.sweep.dir=stages", f"trainer={','.join(STAGED)}", "model=net",
                          KEEP_ALL, "trainer.max_epochs=3", multirun=True))  # fmt: skip
+    checkpoint_sums(project.glob("stages/*/checkpoints/*.ckpt"))
     return {trainer: project / "stages" / str(job) for job, trainer in enumerate(STAGED)}, proc
 
 
@@ -273,14 +316,18 @@ def test_eval_of_a_sharded_checkpoint_on_3_ranks(evaluated):
 
 def test_stock_ddp_loads_what_hydra_fsdp_wrote(project):
     """A user who drops hydra_fsdp keeps their checkpoints: Lightning's own strategy="ddp"."""
+    sources = {}
     for trainer in ("fsdp", "fsdp_sharded"):
         source = checkpoint(project, trainer, "net")
-        if source.is_dir():
-            source = consolidated(source)
-        run_dir = f"stock_ddp_of_{trainer}"
-        ok(script(project, "eval", f"hydra.run.dir={run_dir}", "trainer=ddp", "trainer.strategy=ddp", "model=net",
-                  f"ckpt_path={source}"))  # fmt: skip
-        seen = assert_loaded(project / run_dir, "test", checkpoint_sum(source), 2)
+        sources[trainer] = consolidated(source) if source.is_dir() else source
+    runs = scripts_at_once(project, {  # the two runs side by side
+        trainer: ("eval", [f"hydra.run.dir=stock_ddp_of_{trainer}", "trainer=ddp", "trainer.strategy=ddp", "model=net",
+                           f"ckpt_path={source}"], TRUSTED)
+        for trainer, source in sources.items()
+    })  # fmt: skip
+    for trainer, source in sources.items():
+        ok(runs[trainer])
+        seen = assert_loaded(project / f"stock_ddp_of_{trainer}", "test", checkpoint_sum(source), 2)
         assert {rank["strategy"] for rank in seen.values()} == {
             "lightning.pytorch.strategies.ddp.DDPStrategy"
         }
@@ -334,15 +381,20 @@ def test_load_from_checkpoint_and_torch_load_outside_a_trainer(project):
 def test_weights_only_is_honoured(project):
     """Lightning's weights_only (None: torch's default, True since torch 2.6) refuses the pickled
     net under HydraFSDP as under DDP, at once on every rank; a checkpoint of plain numbers loads."""
+    runs = scripts_at_once(project, {  # the four runs side by side
+        **{trainer: ("eval", [f"hydra.run.dir=refused_{trainer}", f"trainer={trainer}", "model=net",
+                              f"ckpt_path={checkpoint(project, trainer, 'net')}"], {})
+           for trainer in ("fsdp", "fsdp_sharded", "ddp")},
+        "plain": ("eval", ["hydra.run.dir=plain", "trainer=fsdp", "model=tiny",
+                           f"ckpt_path={checkpoint(project, 'fsdp', 'tiny')}"], {}),
+    })  # fmt: skip
     for trainer in ("fsdp", "fsdp_sharded", "ddp"):
-        proc = script(project, "eval", f"hydra.run.dir=refused_{trainer}", f"trainer={trainer}", "model=net",
-                      f"ckpt_path={checkpoint(project, trainer, 'net')}", env={})  # fmt: skip
+        proc = runs[trainer]
         assert proc.returncode != 0
         assert "Weights only load failed" in proc.text() and "TinyNet" in proc.text(), proc.text()[-3000:]
         assert proc.seconds < 60
         assert not records(project / f"refused_{trainer}", "test")
-    ok(script(project, "eval", "hydra.run.dir=plain", "trainer=fsdp", "model=tiny",
-              f"ckpt_path={checkpoint(project, 'fsdp', 'tiny')}", env={}))  # fmt: skip
+    ok(runs["plain"])
     assert_loaded(project / "plain", "test", checkpoint_sum(checkpoint(project, "fsdp", "tiny")), 2)
 
 
