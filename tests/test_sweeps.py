@@ -1,7 +1,9 @@
 """End to end: real sweeps with real child processes on CPU; assert what every rank saw."""
 
+import json
 import os
 import pickle
+import time
 from pathlib import Path
 
 import pytest
@@ -9,11 +11,13 @@ import torch
 from helpers import (
     FSDP_ON_CPU,
     LIGHTNING,
+    SWEEP_TIMEOUT,
     assert_ranks_agree,
     copy_app,
     ok,
     records,
     run_app,
+    start_sweep,
     sweep_in,
 )
 from shared import case_overrides, nothing_outlives
@@ -56,19 +60,47 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def shared_sweep(request, tmp_path_factory):
-    """The shared sweep of one strategy: {case: job dir}, and the sweep's run."""
+def shared_sweep(tmp_path_factory):
+    """``shared_sweep(strategy)``: that strategy's shared sweep, {case: job dir}, and its run.
+    The first call starts both sweeps side by side (two sweeps at once on one machine, as the soak
+    test_soak_two_sweeps_at_once_on_one_machine runs longer), the FSDP one where FSDP runs on the CPU."""
     sweeps = {}
 
     def sweep(strategy):
-        if strategy not in sweeps:
-            app = copy_app(tmp_path_factory.mktemp(f"shared_{strategy}"))
-            with nothing_outlives(f"the shared {strategy} sweep"):
-                proc = ok(sweep_in(app, *case_overrides(app / "conf", CASES[strategy]), strategy=strategy))
-            sweeps[strategy] = {case: app / "sweep" / case for case in CASES[strategy]}, proc
-        return sweeps[strategy]
+        if not sweeps:
+            strategies = ("ddp", "fsdp") if FSDP_ON_CPU else ("ddp",)
+            apps = {name: copy_app(tmp_path_factory.mktemp(f"shared_{name}")) for name in strategies}
+            with nothing_outlives("the shared sweeps"):
+                runs = {
+                    name: start_sweep(
+                        app, *case_overrides(app / "conf", CASES[name]), env={"APP_STRATEGY": name}
+                    )
+                    for name, app in apps.items()
+                }
+                try:
+                    for run in runs.values():
+                        run.wait(max(1.0, run.started + SWEEP_TIMEOUT - time.monotonic()))
+                finally:
+                    for run in runs.values():
+                        run.end()
+            for name, app in apps.items():
+                sweeps[name] = {case: app / "sweep" / case for case in CASES[name]}, runs[name]
+        jobs, run = sweeps[strategy]
+        return jobs, ok(run)
 
     return sweep
+
+
+@pytest.mark.fsdp_cpu
+def test_two_sweeps_at_once_share_no_port(shared_sweep):
+    """The shared DDP and FSDP sweeps ran side by side: no two of their jobs met on one port."""
+    ports = {}
+    for strategy in ("ddp", "fsdp"):
+        for case, job in shared_sweep(strategy)[0].items():
+            seen = {json.loads(p.read_text())["master_port"] for p in (job / "seen").glob("*_rank*.json")}
+            assert len(seen) == 1 and None not in seen, (strategy, case, seen)  # one process group a job
+            ports[strategy, case] = seen.pop()
+    assert len(set(ports.values())) == len(ports) == len(CASES["ddp"]) + len(CASES["fsdp"]), ports
 
 
 # HydraDDP
