@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 from unittest import mock
 
 import hydra
@@ -23,7 +23,6 @@ from hydra_zen import builds, launch, make_config, zen
 
 import hydra_fsdp
 from hydra_fsdp import ChildRankError, HydraDDP, HydraFSDP, RankLaunchError
-
 
 # Lightning before 2.3.0 refuses FSDP without a GPU, and HydraFSDP then refuses to be built.
 FSDP_ON_CPU = torch.cuda.is_available() or hydra_fsdp._release(pl.__version__) >= hydra_fsdp._release(
@@ -101,7 +100,7 @@ class Launched(NamedTuple):
     start: mock.Mock  # _ForkServer.start: the server starts each child rank
     sleep: mock.Mock
     job_dir: Path
-    error: Optional[BaseException]
+    error: BaseException | None
 
 
 @pytest.mark.parametrize("strategy", [HydraDDP, pytest.param(HydraFSDP, marks=needs_fsdp_on_cpu)])
@@ -259,7 +258,7 @@ def test_a_task_of_an_interactive_session_cannot_reach_a_child(monkeypatch):
 
     typed_in.__module__, typed_in.__qualname__ = "__main__", "typed_in"
     monkeypatch.setattr(sys.modules["__main__"], "typed_in", typed_in, raising=False)
-    monkeypatch.setattr(hydra_fsdp, "_launching_script", lambda: {})  # what `python -i`, Jupyter give
+    monkeypatch.setattr(hydra_fsdp, "_launching_script", dict)  # what `python -i`, Jupyter give
     pickled, why_not = hydra_fsdp._pickled_task(typed_in)
     assert pickled is None and "interactive session" in why_not
 
@@ -350,7 +349,9 @@ def test_escaped_strings_read_back_literally(text):
 
 def python(code):
     """Run ``code`` in a fresh interpreter, where nothing else decides what is imported."""
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout.split()
 
@@ -468,9 +469,11 @@ def test_guard_fsdp_wrapped_module_name():
     net = torch.nn.Linear(2, 1)
     root = torch.nn.ModuleDict({"net": net})
     state_dict = {"net._fsdp_v2_wrapped.weight": net.weight, "net._fsdp_v2_wrapped.bias": net.bias}
-    with pytest.raises(RankLaunchError, match=r"FSDP's name for a wrapped module.*" + UPSTREAM_CHANGED):
-        with hydra_fsdp._holding([net], state_dict, root):
-            pass
+    with (
+        pytest.raises(RankLaunchError, match=r"FSDP's name for a wrapped module.*" + UPSTREAM_CHANGED),
+        hydra_fsdp._holding([net], state_dict, root),
+    ):
+        pass
     full = {"net.weight": torch.ones(1, 2), "net.bias": torch.zeros(1)}
     with hydra_fsdp._holding([net], full, root):
         assert torch.equal(net.weight, full["net.weight"])
@@ -544,7 +547,7 @@ def test_the_floors_agree_in_pyproject_the_floor_stack_and_the_module():
         n: release(v) for n, v in re.findall(r'"([a-z-]+)>=([\d.]+)', (root / "pyproject.toml").read_text())
     }
     floor = (root / ".ci" / "floor.txt").read_text()
-    pinned = {n: release(v) for n, v in re.findall(r"^([A-Za-z_-]+)==([\d.]+)", floor, re.M)}
+    pinned = {n: release(v) for n, v in re.findall(r"^([A-Za-z_-]+)==([\d.]+)", floor, re.MULTILINE)}
     for name in ("torch", "pytorch-lightning", "lightning", "hydra-core", "hydra-zen", "pytest"):
         assert pinned[name][: len(declared[name])] == declared[name], name
     for name, minimum in hydra_fsdp._MINIMUM_VERSIONS.items():

@@ -69,7 +69,7 @@ def pss_kib(pid: int) -> int:
 
 def measured(command: list, env: dict, cwd: Path) -> dict:
     """Run ``command``, sampling the summed PSS of its processes; its exit code and peak (MiB)."""
-    log = tempfile.TemporaryFile()
+    log = tempfile.TemporaryFile()  # noqa: SIM115 - read after the run, closed with the process
     proc = subprocess.Popen(
         command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
     )

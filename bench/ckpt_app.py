@@ -10,7 +10,6 @@ Lightning's FSDPStrategy.load_checkpoint and its lazy loader).
 """
 
 from dataclasses import dataclass
-from typing import Optional
 
 import hydra
 import lightning.pytorch as pl
@@ -22,7 +21,7 @@ import hydra_fsdp
 
 @dataclass
 class Config:
-    ckpt: Optional[str] = None  # test without one: the baseline
+    ckpt: str | None = None  # test without one: the baseline
     write: bool = False
     keep_net: bool = False
     strategy: str = "hydra_fsdp"

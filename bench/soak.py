@@ -83,7 +83,7 @@ def run_once(strategy, commands, timeout):
     shutil.copy(APPS / "shapes.py", directory / "shapes.py")
     env = dict(os.environ, MUSHIN_DDP_LAUNCH_DELAY="0", APP_STRATEGY=strategy)
     env.pop("PYTHONPATH", None)
-    outputs = [tempfile.TemporaryFile() for _ in commands]
+    outputs = [tempfile.TemporaryFile() for _ in commands]  # noqa: SIM115 - read after the runs
     started = time.monotonic()
     procs = [
         subprocess.Popen(

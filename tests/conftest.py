@@ -1,11 +1,9 @@
 import ctypes
-import os
 import signal
-import time
-from pathlib import Path
 
 import pytest
-from helpers import FSDP_ON_CPU, FSDP_ON_CPU_REASON, copy_app, end_tree
+from helpers import FSDP_ON_CPU, FSDP_ON_CPU_REASON, copy_app
+from shared import nothing_outlives
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -32,42 +30,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def children_of(pid):
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-            fields = stat.rsplit(")", 1)[1].split()
-            if int(fields[1]) == pid:
-                found[int(entry.name)] = (fields[0], cmdline.strip())
-    return found
-
-
 @pytest.fixture(autouse=True)
 def no_process_outlives_its_test():
-    """Fail the test if any process it started (or an orphan of one) is still running after it."""
-    before = set(children_of(os.getpid()))
-    yield
-    deadline = time.monotonic() + 10  # a child rank notices its parent's end within a second
-    while True:
-        left = {pid: info for pid, info in children_of(os.getpid()).items() if pid not in before}
-        for pid, (state, _) in list(left.items()):
-            if state == "Z":  # an orphan that exited: reap it
-                os.waitpid(pid, os.WNOHANG)
-                del left[pid]
-        if not left or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    for pid in left:
-        end_tree(pid)
-        os.waitpid(pid, 0)
-    assert not left, "processes outlived the test and were ended: " + "; ".join(
-        f"pid {pid}: {cmdline[:300]}" for pid, (_, cmdline) in left.items()
-    )
+    """Fail the test if any process it started (or an orphan of one) is still running after it.
+    (A module-scoped fixture's sweep is set up before this looks: it checks itself, see shared.py.)"""
+    with nothing_outlives("the test"):
+        yield
 
 
 @pytest.fixture

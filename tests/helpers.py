@@ -36,7 +36,7 @@ class Run:
 
     def __init__(self, command, cwd, env):
         self.command = command
-        self.output = tempfile.TemporaryFile()
+        self.output = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the Run
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
             command, cwd=cwd, env=env, stdout=self.output, stderr=subprocess.STDOUT, start_new_session=True

@@ -14,16 +14,17 @@ under DDP as under FSDP: the runs that load one set ``TORCH_FORCE_NO_WEIGHTS_ONL
 user's own way to allow it, and one test checks the refusal.
 """
 
-import functools
 import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import APPS, app_env, ok, records, run
+from helpers import APPS, SWEEP_TIMEOUT, Run, app_env, ok, records, run
+from shared import case_overrides, nothing_outlives
 
 pytestmark = pytest.mark.fsdp_cpu  # every test loads what HydraFSDP wrote on the CPU
 
@@ -40,23 +41,34 @@ JOBS = {  # the writing sweep's jobs, in Hydra's order
 
 
 SUM_OF = """
-import sys, torch
+import json, sys, torch
 sys.path.insert(0, ".")  # the checkpoint pickles the app's own classes
-state_dict = torch.load(sys.argv[1], map_location="cpu", weights_only=False)["state_dict"]
-print(sum(float(tensor.double().sum()) for tensor in state_dict.values()))
+sums = {}
+for path in sys.argv[1:]:
+    state_dict = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+    sums[path] = sum(float(tensor.double().sum()) for tensor in state_dict.values())
+print(json.dumps(sums))
 """
+SUMS = {}  # checkpoint path: the sum of its weights
 
 
-@functools.cache
+def checkpoint_sums(paths):
+    """The sum of each checkpoint's weights, by path; a sharded one is read through its consolidated
+    file. One process reads all those not read yet (each one started imports torch: seconds)."""
+    paths = [Path(path) for path in paths]
+    consolidated_at_once([path for path in paths if path.is_dir()])
+    files = {str(path): consolidated(path) if path.is_dir() else path for path in paths}
+    unread = sorted({str(file) for file in files.values()} - set(SUMS))
+    if unread:
+        proc = subprocess.run([sys.executable, "-c", SUM_OF, *unread], cwd=project_of(unread[0]),
+                              capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        SUMS.update(json.loads(proc.stdout.splitlines()[-1]))
+    return {path: SUMS[str(file)] for path, file in files.items()}
+
+
 def checkpoint_sum(path):
-    """The sum of a checkpoint's weights; a sharded one is read through its consolidated file."""
-    path = Path(path)
-    if path.is_dir():
-        path = consolidated(path)
-    proc = subprocess.run([sys.executable, "-c", SUM_OF, str(path)], cwd=project_of(path), capture_output=True,
-                          text=True, timeout=120, check=False)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    return float(proc.stdout.split()[-1])
+    return checkpoint_sums([path])[str(path)]
 
 
 def consolidated(directory):
@@ -69,6 +81,19 @@ def consolidated(directory):
     return target
 
 
+def consolidated_at_once(directories):
+    """consolidated() of several sharded checkpoints, side by side: one process each."""
+    todo = [d for d in directories if not d.with_name(d.name + ".consolidated").exists()]
+    command = [sys.executable, "-m", "lightning.pytorch.utilities.consolidate_checkpoint"]
+    runs = [Run([*command, str(d)], project_of(d), app_env(env=TRUSTED)) for d in todo]
+    try:
+        for proc in runs:
+            ok(proc.wait(max(1.0, proc.started + 120 - time.monotonic())))
+    finally:
+        for proc in runs:
+            proc.end()
+
+
 def project_of(path):
     return next(parent for parent in Path(path).parents if (parent / ".project-root").exists())
 
@@ -78,41 +103,91 @@ def script(project, name, *overrides, env=TRUSTED, multirun=False):
     return run(command, project, app_env(env=env))
 
 
+def scripts_at_once(project, runs):
+    """Start runs that do not depend on each other side by side ({name: (script, overrides, env)}),
+    each in a session of its own; wait for every one. Returns {name: its Run}: each its own output
+    and exit code. A run that outlives SWEEP_TIMEOUT fails the test, and every run is ended."""
+    started = {
+        name: Run([sys.executable, f"src/{script_name}.py", *overrides], project, app_env(env=env))
+        for name, (script_name, overrides, env) in runs.items()
+    }
+    try:
+        for proc in started.values():
+            proc.wait(max(1.0, proc.started + SWEEP_TIMEOUT - time.monotonic()))
+    finally:
+        for proc in started.values():
+            proc.end()
+    return started
+
+
+def choosing(trainer, model):
+    """A case's own trainer and model: what ``trainer=... model=...`` on the command line choose."""
+    return {"defaults": [{"override /trainer": trainer}, {"override /model": model}]}
+
+
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
     """The template, and one sweep that wrote a checkpoint of each strategy x model."""
     root = Path(shutil.copytree(APPS / "template", tmp_path_factory.mktemp("ckpt") / "project"))
-    ok(
-        script(
-            root,
-            "train",
-            "hydra.sweep.dir=sweep",
-            "trainer=ddp,fsdp,fsdp_sharded,fsdp_wrapped",
-            "model=net,tiny",
-            KEEP_ALL,
-            multirun=True,
+    with nothing_outlives("the sweep that writes the checkpoints"):
+        ok(
+            script(
+                root,
+                "train",
+                "hydra.sweep.dir=sweep",
+                "trainer=ddp,fsdp,fsdp_sharded,fsdp_wrapped",
+                "model=net,tiny",
+                KEEP_ALL,
+                multirun=True,
+            )
         )
-    )
     for (trainer, model), job in JOBS.items():
         overrides = (root / "sweep" / str(job) / ".hydra" / "overrides.yaml").read_text()
         assert f"trainer={trainer}\n" in overrides and f"model={model}\n" in overrides, overrides
+    checkpoint_sums(root.glob("sweep/*/checkpoints/*.ckpt"))  # read at once, in 3 processes or so
     return root
 
 
-UNINTERRUPTED = {
-    (trainer, "net"): job for job, trainer in enumerate(("ddp", "fsdp", "fsdp_sharded", "fsdp_wrapped"))
-}
-UNINTERRUPTED[("fsdp", "tiny")] = len(UNINTERRUPTED)
+UNINTERRUPTED = [(trainer, "net") for trainer in ("ddp", "fsdp", "fsdp_sharded", "fsdp_wrapped")] + [
+    ("fsdp", "tiny")
+]
+RESUMES = [  # written_by, model, resumed_by, devices
+    ("fsdp", "net", "fsdp", 2),
+    ("fsdp", "tiny", "fsdp", 2),
+    ("fsdp_sharded", "net", "fsdp_sharded", 2),
+    ("fsdp", "net", "fsdp", 3),  # saved on 2 ranks, resumed on 3
+    ("fsdp_sharded", "net", "fsdp_sharded", 3),
+    ("ddp", "net", "fsdp", 2),
+    ("fsdp", "net", "ddp", 2),
+    ("fsdp_wrapped", "net", "fsdp_wrapped", 2),  # FSDP units inside the pickled net
+    ("fsdp_wrapped", "net", "ddp", 2),
+]
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(project):
-    """Three epochs in one fit, for the resumed fits (two, then one more) to be compared with."""
-    ok(script(project, "train", "hydra.sweep.dir=uninterrupted", "trainer=ddp,fsdp,fsdp_sharded,fsdp_wrapped",
-              "model=net", "trainer.max_epochs=3", "test=false", multirun=True))  # fmt: skip
-    ok(script(project, "train", f"hydra.run.dir=uninterrupted/{UNINTERRUPTED['fsdp', 'tiny']}", "trainer=fsdp",
-              "model=tiny", "trainer.max_epochs=3", "test=false"))  # fmt: skip
-    return project / "uninterrupted"
+def resumed(project):
+    """One sweep of train.py: each resumed fit (fit(ckpt_path=last) of a checkpoint the project's
+    sweep wrote, to three epochs), a job each; and three epochs in one fit of each trainer and
+    model resumed, for the resumed fits (two, then one more) to be compared with. {case: job dir}"""
+    cases = {
+        f"uninterrupted_{trainer}_{model}": {
+            **choosing(trainer, model),
+            "trainer.max_epochs": 3,
+            "test": False,
+        }
+        for trainer, model in UNINTERRUPTED
+    }
+    for written_by, model, resumed_by, devices in RESUMES:
+        cases[f"resume_{written_by}_{model}_{resumed_by}_{devices}"] = {
+            **choosing(resumed_by, model),
+            "trainer.devices": devices,
+            "trainer.max_epochs": 3,
+            "ckpt_path": str(checkpoint(project, written_by, model)),
+        }
+    with nothing_outlives("the sweep of resumed fits"):
+        ok(script(project, "train", "hydra.sweep.dir=resumed", *case_overrides(project / "resume_cases", cases),
+                  multirun=True))  # fmt: skip
+    return {case: project / "resumed" / case for case in cases}
 
 
 def checkpoint(project, trainer, model, name="last.ckpt"):
@@ -141,12 +216,25 @@ def test_fit_then_test_best_in_the_same_job(project, trainer, model):
         assert sorted(rank["params_held"] for rank in tested.values()) == [160, 161]
 
 
-@pytest.mark.parametrize("trainer", ["fsdp", "fsdp_sharded"])
-def test_validate_test_predict_load_what_fit_wrote(project, trainer):
+STAGED = ("fsdp", "fsdp_sharded")
+
+
+@pytest.fixture(scope="module")
+def staged(project):
+    """One sweep of the template's stages.py, a job for each trainer of STAGED."""
+    with nothing_outlives("the sweep of stages.py"):
+        proc = ok(script(project, "stages", "hydra.sweep.dir=stages", f"trainer={','.join(STAGED)}", "model=net",
+                         KEEP_ALL, "trainer.max_epochs=3", multirun=True))  # fmt: skip
+    checkpoint_sums(project.glob("stages/*/checkpoints/*.ckpt"))
+    return {trainer: project / "stages" / str(job) for job, trainer in enumerate(STAGED)}, proc
+
+
+@pytest.mark.parametrize("trainer", STAGED)
+def test_validate_test_predict_load_what_fit_wrote(staged, trainer):
     """After fit in one job: validate(best), test(a path) and predict(last) each load theirs."""
-    proc = ok(script(project, "stages", f"hydra.run.dir=stages_{trainer}", f"trainer={trainer}", "model=net",
-                     KEEP_ALL, "trainer.max_epochs=3"))  # fmt: skip
-    job_dir = project / f"stages_{trainer}"
+    jobs, proc = staged
+    job_dir = jobs[trainer]
+    assert f"trainer={trainer}\n" in (job_dir / ".hydra" / "overrides.yaml").read_text()
     checkpoints = job_dir / "checkpoints"
     fitted = records(job_dir, "fit")[0]["weight_sum"]
     first = checkpoint_sum(checkpoints / "epoch_000.ckpt")
@@ -157,74 +245,89 @@ def test_validate_test_predict_load_what_fit_wrote(project, trainer):
     assert Path(validated[0]["ckpt_path"]).parent == checkpoints
     assert_loaded(job_dir, "test", first, 2)
     assert_loaded(job_dir, "predict", checkpoint_sum(checkpoints / "last.ckpt"), 2)
-    print(f"fit, validate, test, predict with {trainer}: {proc.seconds:.1f} s")
+    print(f"fit, validate, test, predict with {', '.join(STAGED)}: {proc.seconds:.1f} s")
 
 
-@pytest.mark.parametrize(
-    "written_by, model, resumed_by, devices",
-    [
-        ("fsdp", "net", "fsdp", 2),
-        ("fsdp", "tiny", "fsdp", 2),
-        ("fsdp_sharded", "net", "fsdp_sharded", 2),
-        ("fsdp", "net", "fsdp", 3),  # saved on 2 ranks, resumed on 3
-        ("fsdp_sharded", "net", "fsdp_sharded", 3),
-        ("ddp", "net", "fsdp", 2),
-        ("fsdp", "net", "ddp", 2),
-        ("fsdp_wrapped", "net", "fsdp_wrapped", 2),  # FSDP units inside the pickled net
-        ("fsdp_wrapped", "net", "ddp", 2),
-    ],
-)
-def test_resume_fit(project, uninterrupted, written_by, model, resumed_by, devices):
+@pytest.mark.parametrize("written_by, model, resumed_by, devices", RESUMES)
+def test_resume_fit(project, resumed, written_by, model, resumed_by, devices):
     """fit(ckpt_path=last): the weights, epoch and step of the checkpoint, and training goes on."""
     source = checkpoint(project, written_by, model)
-    run_dir = f"resume_{written_by}_{model}_{resumed_by}_{devices}"
-    ok(script(project, "train", f"hydra.run.dir={run_dir}", f"trainer={resumed_by}", f"model={model}",
-              f"trainer.devices={devices}", "trainer.max_epochs=3", f"ckpt_path={source}"))  # fmt: skip
-    started = assert_loaded(project / run_dir, "train_start", checkpoint_sum(source), devices)
+    run_dir = resumed[f"resume_{written_by}_{model}_{resumed_by}_{devices}"]
+    started = assert_loaded(run_dir, "train_start", checkpoint_sum(source), devices)
     assert {(rank["epoch"], rank["global_step"]) for rank in started.values()} == {(2, 8)}
-    fitted = records(project / run_dir, "fit")
+    fitted = records(run_dir, "fit")
     assert {rank["epoch"] for rank in fitted.values()} == {3}
     assert len({rank["weight_sum"] for rank in fitted.values()}) == 1
     if devices == 2:  # the optimizer's state was restored too: as if fit had never stopped
-        reference = records(uninterrupted / str(UNINTERRUPTED[resumed_by, model]), "fit")[0]
+        reference = records(resumed[f"uninterrupted_{resumed_by}_{model}"], "fit")[0]
         assert fitted[0]["weight_sum"] == pytest.approx(reference["weight_sum"], rel=1e-6)
 
 
-def test_eval_run_on_1_2_3_ranks_and_across_strategies(project):
+EVALS = {  # case: trainer, devices, the checkpoint tested (written by the project's sweep, model=net)
+    **{
+        f"{trainer}_{devices}": (trainer, devices, "fsdp")
+        for trainer in ("fsdp", "ddp")
+        for devices in (1, 2, 3)
+    },
+    "eval_of_ddp": ("fsdp", 3, "ddp"),
+    "eval_sharded": ("fsdp_sharded", 3, "fsdp_sharded"),
+}
+
+
+@pytest.fixture(scope="module")
+def evaluated(project):
+    """One sweep of the template's eval.py, a new run that tests a checkpoint: a job for each of
+    EVALS. {case: (job dir, the checkpoint it tested)}"""
+    sources = {
+        case: checkpoint(project, written_by, "net", "epoch_000.ckpt")
+        for case, (_, _, written_by) in EVALS.items()
+    }
+    cases = {
+        case: {**choosing(trainer, "net"), "trainer.devices": devices, "ckpt_path": str(sources[case])}
+        for case, (trainer, devices, _) in EVALS.items()
+    }
+    with nothing_outlives("the sweep of eval.py"):
+        ok(script(project, "eval", "hydra.sweep.dir=eval", *case_overrides(project / "eval_cases", cases),
+                  multirun=True))  # fmt: skip
+    return {case: (project / "eval" / case, sources[case]) for case in cases}
+
+
+def test_eval_run_on_1_2_3_ranks_and_across_strategies(evaluated):
     """The template's eval.py, a new run: test(ckpt_path=path) of a checkpoint FSDP wrote, under
     HydraFSDP and HydraDDP on 1, 2 and 3 ranks; and of one DDP wrote, under HydraFSDP."""
-    source = checkpoint(project, "fsdp", "net", "epoch_000.ckpt")
-    ok(script(project, "eval", "hydra.sweep.dir=eval", "trainer=fsdp,ddp", "trainer.devices=1,2,3", "model=net",
-              f"ckpt_path={source}", multirun=True))  # fmt: skip
-    for job, (trainer, devices) in enumerate((t, d) for t in ("fsdp", "ddp") for d in (1, 2, 3)):
-        seen = assert_loaded(project / "eval" / str(job), "test", checkpoint_sum(source), devices)
-        assert {rank["strategy"] for rank in seen.values()} == {
-            f"hydra_fsdp.lightning.Hydra{trainer.upper()}"
-        }
-        assert {rank["ckpt_path"] for rank in seen.values()} == {str(source)}
-    source = checkpoint(project, "ddp", "net", "epoch_000.ckpt")
-    ok(script(project, "eval", "hydra.run.dir=eval_of_ddp", "trainer=fsdp", "trainer.devices=3", "model=net",
-              f"ckpt_path={source}"))  # fmt: skip
-    assert_loaded(project / "eval_of_ddp", "test", checkpoint_sum(source), 3)
+    for trainer in ("fsdp", "ddp"):
+        for devices in (1, 2, 3):
+            job, source = evaluated[f"{trainer}_{devices}"]
+            seen = assert_loaded(job, "test", checkpoint_sum(source), devices)
+            assert {rank["strategy"] for rank in seen.values()} == {
+                f"hydra_fsdp.lightning.Hydra{trainer.upper()}"
+            }
+            assert {rank["ckpt_path"] for rank in seen.values()} == {str(source)}
+    job, source = evaluated["eval_of_ddp"]
+    assert source.parent.parent.name == str(JOBS["ddp", "net"])
+    assert_loaded(job, "test", checkpoint_sum(source), 3)
 
 
-def test_eval_of_a_sharded_checkpoint_on_3_ranks(project):
-    source = checkpoint(project, "fsdp_sharded", "net", "epoch_000.ckpt")
-    ok(script(project, "eval", "hydra.run.dir=eval_sharded", "trainer=fsdp_sharded", "trainer.devices=3",
-              "model=net", f"ckpt_path={source}"))  # fmt: skip
-    assert_loaded(project / "eval_sharded", "test", checkpoint_sum(source), 3)
+def test_eval_of_a_sharded_checkpoint_on_3_ranks(evaluated):
+    job, source = evaluated["eval_sharded"]
+    assert source.parent.parent.name == str(JOBS["fsdp_sharded", "net"])
+    assert_loaded(job, "test", checkpoint_sum(source), 3)
 
 
 def test_stock_ddp_loads_what_hydra_fsdp_wrote(project):
     """A user who drops hydra_fsdp keeps their checkpoints: Lightning's own strategy="ddp"."""
+    sources = {}
     for trainer in ("fsdp", "fsdp_sharded"):
         source = checkpoint(project, trainer, "net")
-        if source.is_dir():
-            source = consolidated(source)
-        run_dir = f"stock_ddp_of_{trainer}"
-        ok(script(project, "eval", f"hydra.run.dir={run_dir}", "trainer=ddp", "trainer.strategy=ddp", "model=net",
-                  f"ckpt_path={source}"))  # fmt: skip
-        seen = assert_loaded(project / run_dir, "test", checkpoint_sum(source), 2)
+        sources[trainer] = consolidated(source) if source.is_dir() else source
+    runs = scripts_at_once(project, {  # the two runs side by side
+        trainer: ("eval", [f"hydra.run.dir=stock_ddp_of_{trainer}", "trainer=ddp", "trainer.strategy=ddp", "model=net",
+                           f"ckpt_path={source}"], TRUSTED)
+        for trainer, source in sources.items()
+    })  # fmt: skip
+    for trainer, source in sources.items():
+        ok(runs[trainer])
+        seen = assert_loaded(project / f"stock_ddp_of_{trainer}", "test", checkpoint_sum(source), 2)
         assert {rank["strategy"] for rank in seen.values()} == {
             "lightning.pytorch.strategies.ddp.DDPStrategy"
         }
@@ -278,15 +381,20 @@ def test_load_from_checkpoint_and_torch_load_outside_a_trainer(project):
 def test_weights_only_is_honoured(project):
     """Lightning's weights_only (None: torch's default, True since torch 2.6) refuses the pickled
     net under HydraFSDP as under DDP, at once on every rank; a checkpoint of plain numbers loads."""
+    runs = scripts_at_once(project, {  # the four runs side by side
+        **{trainer: ("eval", [f"hydra.run.dir=refused_{trainer}", f"trainer={trainer}", "model=net",
+                              f"ckpt_path={checkpoint(project, trainer, 'net')}"], {})
+           for trainer in ("fsdp", "fsdp_sharded", "ddp")},
+        "plain": ("eval", ["hydra.run.dir=plain", "trainer=fsdp", "model=tiny",
+                           f"ckpt_path={checkpoint(project, 'fsdp', 'tiny')}"], {}),
+    })  # fmt: skip
     for trainer in ("fsdp", "fsdp_sharded", "ddp"):
-        proc = script(project, "eval", f"hydra.run.dir=refused_{trainer}", f"trainer={trainer}", "model=net",
-                      f"ckpt_path={checkpoint(project, trainer, 'net')}", env={})  # fmt: skip
+        proc = runs[trainer]
         assert proc.returncode != 0
         assert "Weights only load failed" in proc.text() and "TinyNet" in proc.text(), proc.text()[-3000:]
         assert proc.seconds < 60
         assert not records(project / f"refused_{trainer}", "test")
-    ok(script(project, "eval", "hydra.run.dir=plain", "trainer=fsdp", "model=tiny",
-              f"ckpt_path={checkpoint(project, 'fsdp', 'tiny')}", env={}))  # fmt: skip
+    ok(runs["plain"])
     assert_loaded(project / "plain", "test", checkpoint_sum(checkpoint(project, "fsdp", "tiny")), 2)
 
 

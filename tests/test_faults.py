@@ -128,7 +128,7 @@ def test_child_hanging_in_training_is_bounded_by_the_process_group_timeout(app):
         "module.lr=0.1,0.2",
         "module.fail_rank=1",
         "module.fail_how=train_hang",
-        "+trainer.strategy.timeout={_target_:datetime.timedelta,seconds:10}",
+        "+trainer.strategy.timeout={_target_:datetime.timedelta,seconds:5}",
     )
     log = app / "sweep" / "0" / "rank_1.log"
     assert_failed_job_then_healthy_job(
@@ -153,15 +153,18 @@ def stop(sweep, how):
 )
 @pytest.mark.parametrize("while_", ["training", "blocked on a hung child"])
 def test_stopping_the_sweep_ends_every_rank(app, how, while_):
+    job = app / "sweep" / "0"
     if while_ == "training":
-        # 4 steps of 2 s: still training when the signal comes 4 s in, however fast the start
+        # 4 steps of 2 s: still training when the signal comes, as soon as both ranks began a step
         sweep = start_sweep(app, "module.lr=0.1,0.2", env={"APP_SLOW_STEPS": "2"})
+        into = [job / "steps" / "rank0_0", job / "steps" / "rank1_0"], 0.5
     else:  # rank 0 waits in a collective for rank 1, which never comes: no signal handler can run
         sweep = start_sweep(app, "module.lr=0.1,0.2", "module.fail_rank=1", "module.fail_how=train_hang")
-    job = app / "sweep" / "0"
+        into = [job / "steps" / "rank0_2", job / "steps" / "rank1_2"], 1  # rank 1 hangs in its step 2
     try:
         wait_for(lambda: len(started_pids(job)) == 2, SWEEP_TIMEOUT, "both ranks of job 0 to start")
-        time.sleep(4)  # into training, or into the wait on the hung rank
+        wait_for(lambda: all(step.exists() for step in into[0]), SWEEP_TIMEOUT, f"{into[0]} to begin")
+        time.sleep(into[1])  # into the step, or into rank 0's wait on the hung rank
         stopped = time.monotonic()
         stop(sweep, how)
         sweep.wait(timeout=10 if how != "SIGKILL to the sweep" else FAULT_BOUND)

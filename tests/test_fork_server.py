@@ -46,4 +46,6 @@ def test_sigkill_of_the_sweep_leaves_no_server_and_no_child(app):
     finally:
         sweep.end()
     for what, pid in (("fork server", child["ppid"]), ("child rank", child["pid"])):
-        wait_for(lambda: not alive(pid), 10, f"the {what} (pid {pid}) to end after the sweep was killed")
+        wait_for(
+            lambda pid=pid: not alive(pid), 10, f"the {what} (pid {pid}) to end after the sweep was killed"
+        )

@@ -8,15 +8,16 @@ import shutil
 import sys
 from pathlib import Path
 
-import hydra_fsdp
 import pytest
 from helpers import APPS, app_env, ok, records, run
+
+import hydra_fsdp
 
 README = Path(__file__).parent.parent / "README.md"
 
 
 def blocks(language):
-    return re.findall(rf"^```{language}\n(.*?)^```", README.read_text(), flags=re.M | re.S)
+    return re.findall(rf"^```{language}\n(.*?)^```", README.read_text(), flags=re.MULTILINE | re.DOTALL)
 
 
 def test_the_readme_has_the_blocks_this_file_runs():

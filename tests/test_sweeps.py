@@ -1,7 +1,9 @@
 """End to end: real sweeps with real child processes on CPU; assert what every rank saw."""
 
+import json
 import os
 import pickle
+import time
 from pathlib import Path
 
 import pytest
@@ -9,15 +11,97 @@ import torch
 from helpers import (
     FSDP_ON_CPU,
     LIGHTNING,
+    SWEEP_TIMEOUT,
     assert_ranks_agree,
     copy_app,
     ok,
     records,
     run_app,
+    start_sweep,
     sweep_in,
 )
+from shared import case_overrides, nothing_outlives
 
 import hydra_fsdp
+
+# One sweep of each strategy serves the tests below that need a job of theirs, each job the
+# scenario of one test (the overrides its own sweep had), in <sweep>/<case>: two sweeps instead of
+# nine. Scenarios whose sweep-wide settings differ (the sweep dir, the environment, a job that fails)
+# keep a sweep of their own.
+CHECKPOINTED = {"trainer.enable_checkpointing": True, "trainer.callbacks": ["${keep_last}"]}
+SAME_MODULE = {  # test_fit_then_test_the_same_module, one per ckpt_path
+    "same_none": {"stages": ["fit", "test:same:none"]},
+    "same_best": {**CHECKPOINTED, "stages": ["fit", "test:same:best"]},
+}
+CASES = {
+    "ddp": {
+        "stages_datamodule": {
+            "stages": ["validate", "test", "predict"],
+            "use_datamodule": True,
+            "module.lr": 0.3,
+        },
+        "fit_test": {"stages": ["fit", "test"]},
+        **{
+            f"loaders_{lr}": {
+                "loaders_in_call": True,
+                "stages": ["fit", "validate", "test", "predict"],
+                "module.lr": lr,
+            }
+            for lr in (0.1, 0.2)
+        },
+        **SAME_MODULE,
+    },
+    "fsdp": {
+        **{f"shards_{lr}": {"module.lr": lr} for lr in (0.1, 0.2)},
+        "checkpoint": {**CHECKPOINTED, "stages": ["fit", "test:fresh:last", "validate:fresh:best"]},
+        **SAME_MODULE,
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def shared_sweep(tmp_path_factory):
+    """``shared_sweep(strategy)``: that strategy's shared sweep, {case: job dir}, and its run.
+    The first call starts both sweeps side by side (two sweeps at once on one machine, as the soak
+    test_soak_two_sweeps_at_once_on_one_machine runs longer), the FSDP one where FSDP runs on the CPU."""
+    sweeps = {}
+
+    def sweep(strategy):
+        if not sweeps:
+            strategies = ("ddp", "fsdp") if FSDP_ON_CPU else ("ddp",)
+            apps = {name: copy_app(tmp_path_factory.mktemp(f"shared_{name}")) for name in strategies}
+            with nothing_outlives("the shared sweeps"):
+                runs = {
+                    name: start_sweep(
+                        app, *case_overrides(app / "conf", CASES[name]), env={"APP_STRATEGY": name}
+                    )
+                    for name, app in apps.items()
+                }
+                try:
+                    for run in runs.values():
+                        run.wait(max(1.0, run.started + SWEEP_TIMEOUT - time.monotonic()))
+                finally:
+                    for run in runs.values():
+                        run.end()
+            for name, app in apps.items():
+                sweeps[name] = {case: app / "sweep" / case for case in CASES[name]}, runs[name]
+        jobs, run = sweeps[strategy]
+        return jobs, ok(run)
+
+    return sweep
+
+
+@pytest.mark.fsdp_cpu
+def test_two_sweeps_at_once_share_no_port(shared_sweep):
+    """The shared DDP and FSDP sweeps ran side by side: no two of their jobs met on one port."""
+    ports = {}
+    for strategy in ("ddp", "fsdp"):
+        for case, job in shared_sweep(strategy)[0].items():
+            seen = {json.loads(p.read_text())["master_port"] for p in (job / "seen").glob("*_rank*.json")}
+            assert len(seen) == 1 and None not in seen, (strategy, case, seen)  # one process group a job
+            ports[strategy, case] = seen.pop()
+    assert len(set(ports.values())) == len(ports) == len(CASES["ddp"]) + len(CASES["fsdp"]), ports
+
 
 # HydraDDP
 
@@ -63,28 +147,28 @@ def test_job_dir_full_of_special_characters(app):
         assert seen[1]["output_dir"] == str(job_dir)
 
 
-def test_stages_validate_test_predict_with_a_datamodule(app):
-    ok(sweep_in(app, "stages=[validate,test,predict]", "use_datamodule=true", "module.lr=0.3"))
+def test_stages_validate_test_predict_with_a_datamodule(shared_sweep):
+    job = shared_sweep("ddp")[0]["stages_datamodule"]
     for stage in ("validate", "test", "predict"):
-        seen = assert_ranks_agree(app / "sweep" / "0", stage)
+        seen = assert_ranks_agree(job, stage)
         assert {r["datamodule"] for r in seen.values()} == {"Shapes"}
         # every rank evaluates rank 0's weights, though each built its own module
         assert seen[0]["weight_sum"] == seen[1]["weight_sum"]
 
 
-def test_fit_then_test_on_one_trainer_evaluates_rank0_weights(app):
-    ok(sweep_in(app, "stages=[fit,test]"))
-    fit, tested = records(app / "sweep" / "0", "fit"), assert_ranks_agree(app / "sweep" / "0", "test")
+def test_fit_then_test_on_one_trainer_evaluates_rank0_weights(shared_sweep):
+    job = shared_sweep("ddp")[0]["fit_test"]
+    fit, tested = records(job, "fit"), assert_ranks_agree(job, "test")
     assert tested[0]["weight_sum"] == tested[1]["weight_sum"] == fit[0]["weight_sum"]
     assert fit[1]["pid"] == tested[1]["pid"], "one child process runs the whole job"
-    assert (app / "sweep" / "0" / "rank_1.log").read_text().count("GLOBAL_RANK: 1") == 1  # one process group
+    assert (job / "rank_1.log").read_text().count("GLOBAL_RANK: 1") == 1  # one process group
 
 
-def test_dataloaders_passed_straight_to_the_stages(app):
-    ok(sweep_in(app, "loaders_in_call=true", "stages=[fit,validate,test,predict]", "module.lr=0.1,0.2"))
-    for job in ("0", "1"):
+def test_dataloaders_passed_straight_to_the_stages(shared_sweep):
+    jobs = shared_sweep("ddp")[0]
+    for job in ("loaders_0.1", "loaders_0.2"):
         for stage in ("fit", "validate", "test", "predict"):
-            seen = assert_ranks_agree(app / "sweep" / job, stage)
+            seen = assert_ranks_agree(jobs[job], stage)
             assert seen[0]["weight_sum"] == seen[1]["weight_sum"] and seen[0]["datamodule"] is None
 
 
@@ -129,29 +213,20 @@ def test_ranks_about_to_run_different_things_fail_their_job_fast(app, strategy):
 
 
 @pytest.mark.fsdp_cpu
-def test_fsdp_sweep_shards_parameters_on_cpu(app):
-    proc = ok(sweep_in(app, "module.lr=0.1,0.2", strategy="fsdp"))
-    for job, lr in ((0, 0.1), (1, 0.2)):
-        seen = assert_ranks_agree(app / "sweep" / str(job))
+def test_fsdp_sweep_shards_parameters_on_cpu(shared_sweep):
+    jobs, proc = shared_sweep("fsdp")
+    for lr in (0.1, 0.2):
+        seen = assert_ranks_agree(jobs[f"shards_{lr}"])
         total = seen[0]["params_total"]
         held = [seen[r]["params_held"] for r in (0, 1)]
         assert sum(held) == total and all(abs(h - total / 2) <= 1 for h in held), (held, total)
         assert seen[0]["strategy"] == "hydra_fsdp.HydraFSDP" and seen[0]["lr"] == lr
-    print(f"2 jobs x 2 ranks, HydraFSDP: {proc.seconds:.1f} s")
+    print(f"{len(jobs)} jobs x 2 ranks, HydraFSDP: {proc.seconds:.1f} s")
 
 
 @pytest.mark.fsdp_cpu
-def test_fsdp_checkpoint_saves_and_loads_on_cpu(app):
-    ok(
-        sweep_in(
-            app,
-            "trainer.enable_checkpointing=true",
-            "trainer.callbacks=[${keep_last}]",
-            "stages=[fit,test:fresh:last,validate:fresh:best]",
-            strategy="fsdp",
-        )
-    )
-    job = app / "sweep" / "0"
+def test_fsdp_checkpoint_saves_and_loads_on_cpu(shared_sweep):
+    job = shared_sweep("fsdp")[0]["checkpoint"]
     fit = records(job, "fit")
     checkpoints = {p.name for p in (job / "checkpoints").iterdir()}
     assert "last.ckpt" in checkpoints and len(checkpoints) == 2, checkpoints
@@ -164,13 +239,9 @@ def test_fsdp_checkpoint_saves_and_loads_on_cpu(app):
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 @pytest.mark.parametrize("ckpt", ["none", "best"])
-def test_fit_then_test_the_same_module(app, strategy, ckpt):
+def test_fit_then_test_the_same_module(shared_sweep, strategy, ckpt):
     # Lightning's own FSDPStrategy wraps the sharded module again here and fails (its issue #19015)
-    extra = (
-        ["trainer.enable_checkpointing=true", "trainer.callbacks=[${keep_last}]"] if ckpt == "best" else []
-    )
-    ok(sweep_in(app, *extra, f"stages=[fit,test:same:{ckpt}]", strategy=strategy))
-    job = app / "sweep" / "0"
+    job = shared_sweep(strategy)[0][f"same_{ckpt}"]
     fit, tested = records(job, "fit"), assert_ranks_agree(job, "test")
     for rank in (0, 1):  # the trained module, on the same process, holding the same shard
         assert (

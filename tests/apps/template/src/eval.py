@@ -1,12 +1,12 @@
 """lightning-hydra-template's src/eval.py, kept in its shape: a new run that tests a checkpoint.
 
-    python src/eval.py ckpt_path=<run>/checkpoints/epoch_000.ckpt
+python src/eval.py ckpt_path=<run>/checkpoints/epoch_000.ckpt
 """
 
 import os
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any
 
 import hydra
 from lightning import LightningDataModule, LightningModule, Trainer
@@ -17,13 +17,13 @@ ROOT = next(p for p in Path(__file__).resolve().parents if (p / ".project-root")
 sys.path.insert(0, str(ROOT))
 os.environ["PROJECT_ROOT"] = str(ROOT)
 
-from src.utils import RankedLogger, instantiate_loggers, task_wrapper  # noqa: E402
+from src.utils import RankedLogger, instantiate_loggers, task_wrapper
 
 log = RankedLogger(__name__, rank_zero_only=True)
 
 
 @task_wrapper
-def evaluate(cfg: DictConfig) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+def evaluate(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     assert cfg.ckpt_path
 
     log.info(f"Instantiating datamodule <{cfg.data._target_}>")
@@ -33,7 +33,7 @@ def evaluate(cfg: DictConfig) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     model: LightningModule = hydra.utils.instantiate(cfg.model)
 
     log.info("Instantiating loggers...")
-    logger: List[Logger] = instantiate_loggers(cfg.get("logger"))
+    logger: list[Logger] = instantiate_loggers(cfg.get("logger"))
 
     log.info(f"Instantiating trainer <{cfg.trainer._target_}>")
     trainer: Trainer = hydra.utils.instantiate(cfg.trainer, logger=logger)

@@ -12,7 +12,7 @@ ROOT = next(p for p in Path(__file__).resolve().parents if (p / ".project-root")
 sys.path.insert(0, str(ROOT))
 os.environ["PROJECT_ROOT"] = str(ROOT)
 
-from src.utils import instantiate_callbacks, instantiate_loggers  # noqa: E402
+from src.utils import instantiate_callbacks, instantiate_loggers
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="train.yaml")
@@ -23,7 +23,7 @@ def main(cfg: DictConfig) -> None:
     logger = instantiate_loggers(cfg.get("logger"))
     trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=logger)
     trainer.fit(model=model, datamodule=datamodule)
-    first = sorted(Path(cfg.paths.output_dir, "checkpoints").glob("epoch_*"))[0]
+    first = min(Path(cfg.paths.output_dir, "checkpoints").glob("epoch_*"))
     trainer.validate(model=model, datamodule=datamodule, ckpt_path="best")
     trainer.test(model=model, datamodule=datamodule, ckpt_path=str(first))
     trainer.predict(model=model, datamodule=datamodule, ckpt_path="last")

@@ -7,7 +7,7 @@ config groups, a task_wrapper decorator, seed, fit, then test with the best chec
 import os
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import hydra
 import lightning as L
@@ -20,13 +20,13 @@ ROOT = next(p for p in Path(__file__).resolve().parents if (p / ".project-root")
 sys.path.insert(0, str(ROOT))
 os.environ["PROJECT_ROOT"] = str(ROOT)
 
-from src.utils import RankedLogger, instantiate_callbacks, instantiate_loggers, task_wrapper  # noqa: E402
+from src.utils import RankedLogger, instantiate_callbacks, instantiate_loggers, task_wrapper
 
 log = RankedLogger(__name__, rank_zero_only=True)
 
 
 @task_wrapper
-def train(cfg: DictConfig) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+def train(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     if cfg.get("seed"):
         L.seed_everything(cfg.seed, workers=True)
 
@@ -37,10 +37,10 @@ def train(cfg: DictConfig) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     model: LightningModule = hydra.utils.instantiate(cfg.model)
 
     log.info("Instantiating callbacks...")
-    callbacks: List[Callback] = instantiate_callbacks(cfg.get("callbacks"))
+    callbacks: list[Callback] = instantiate_callbacks(cfg.get("callbacks"))
 
     log.info("Instantiating loggers...")
-    logger: List[Logger] = instantiate_loggers(cfg.get("logger"))
+    logger: list[Logger] = instantiate_loggers(cfg.get("logger"))
 
     log.info(f"Instantiating trainer <{cfg.trainer._target_}>")
     trainer: Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=logger)
@@ -70,7 +70,7 @@ def train(cfg: DictConfig) -> Tuple[Dict[str, Any], Dict[str, Any]]:
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="train.yaml")
-def main(cfg: DictConfig) -> Optional[float]:
+def main(cfg: DictConfig) -> float | None:
     metric_dict, _ = train(cfg)
     return metric_dict.get("val/loss")
 

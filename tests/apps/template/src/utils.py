@@ -1,7 +1,8 @@
 """The helpers of lightning-hydra-template's src/utils that its train.py uses, cut down."""
 
 import logging
-from typing import Any, Callable, List, Optional
+from collections.abc import Callable
+from typing import Any
 
 import hydra
 from lightning import Callback
@@ -31,29 +32,29 @@ def task_wrapper(task_func: Callable) -> Callable:
     def wrap(cfg: DictConfig):
         try:
             metric_dict, object_dict = task_func(cfg=cfg)
-        except Exception as ex:
+        except Exception:
             logging.getLogger(__name__).exception("")
-            raise ex
+            raise
         return metric_dict, object_dict
 
     return wrap
 
 
-def instantiate_callbacks(callbacks_cfg: Optional[DictConfig]) -> List[Callback]:
-    callbacks: List[Callback] = []
+def instantiate_callbacks(callbacks_cfg: DictConfig | None) -> list[Callback]:
+    callbacks: list[Callback] = []
     if not callbacks_cfg:
         return callbacks
-    for _, cb_conf in callbacks_cfg.items():
+    for cb_conf in callbacks_cfg.values():
         if isinstance(cb_conf, DictConfig) and "_target_" in cb_conf:
             callbacks.append(hydra.utils.instantiate(cb_conf))
     return callbacks
 
 
-def instantiate_loggers(logger_cfg: Optional[DictConfig]) -> List[Logger]:
-    logger: List[Logger] = []
+def instantiate_loggers(logger_cfg: DictConfig | None) -> list[Logger]:
+    logger: list[Logger] = []
     if not logger_cfg:
         return logger
-    for _, lg_conf in logger_cfg.items():
+    for lg_conf in logger_cfg.values():
         if isinstance(lg_conf, DictConfig) and "_target_" in lg_conf:
             logger.append(hydra.utils.instantiate(lg_conf))
     return logger
