@@ -21,11 +21,14 @@ import hydra_fsdp
 MODEL_BYTES = 2 * (1600 * 1600 + 1600) * 4  # memory_app's Big: 20.5 MB
 LEFT_AT_MOST = MODEL_BYTES // 5  # what a job may leave: 20% of one model
 
-# name: (strategy, the fallback?, plan: each job's checkpoint layout and failure, see memory_app)
+# name: (the config's strategy, the fallback?, plan: each job's strategy and failure, see memory_app)
+MIXED = ["full", "ddp:fail1", "sharded", "full:fail1", "ddp:fail0", "sharded:fail0", "ddp", "full"]
+if not FSDP_ON_CPU:  # where Lightning refuses FSDP on the CPU: the same jobs, all of them HydraDDP
+    MIXED = ["ddp" + job[len(job.split(":")[0]) :] for job in MIXED]
 SWEEPS = {
-    "HydraDDP": ("ddp", False, ["full", "full:fail1", "full", "full:fail0", "full"]),
-    "HydraFSDP": ("fsdp", False, ["full", "full:fail1", "sharded", "sharded:fail0", "full"]),
-    # the children build the config's trainer: the layout cannot vary by job
+    # a job of either strategy after a job of the other, each failing on rank 1 and on rank 0
+    "HydraDDP and HydraFSDP": ("ddp", False, MIXED),
+    # the children build the config's trainer: the strategy cannot vary by job
     "HydraFSDP, the config contract": ("fsdp", True, ["full", "full:fail1", "full:fail0", "full"]),
 }
 
@@ -156,7 +159,7 @@ def test_two_gpu_nccl_a_rank_out_of_memory_fails_only_its_job(tmp_path):
     """NCCL reports no dead peer within a node: without the abort, rank 0 would wait out the group's
     timeout (30 min) and torch would then kill the sweep process. The sweep's timeout bounds it here."""
     app = memory_app(tmp_path)
-    plan = ["full:oom1", "full", "full:oom0", "full"]
+    plan = ["ddp:oom1", "ddp", "ddp:oom0", "full"]
     proc = run_app(
         app, "hydra.sweep.dir=sweep", f"plan=[{','.join(plan)}]", "+n=0,1,2,3", "trainer.accelerator=gpu"
     )

@@ -8,14 +8,14 @@ process group and backends of the job before are still alive (weak references ta
 
 The model holds 2 x Linear(1600, 1600), 20.5 MB, trained with SGD with momentum, fit then
 test(ckpt_path="best") with a checkpoint of the best epoch. ``plan`` says, per job number, the
-checkpoint layout, whether the job fails and whether the task function returns the module:
-"<full|sharded>[:fail<rank>|:oom<rank>][:return]" (the failing rank raises in its second training
-step: a ValueError, or CUDA's out-of-memory error). On a GPU memory_rank0.json also holds
+strategy (HydraDDP, or HydraFSDP and its checkpoint layout), whether the job fails and whether the
+task function returns the module: "<ddp|full|sharded>[:fail<rank>|:oom<rank>][:return]" (the
+failing rank raises in its second training step: a ValueError, or CUDA's out-of-memory error). On a GPU memory_rank0.json also holds
 ``torch.cuda.memory_allocated()`` before and after the gc, and ``memory_reserved()``. Each
 rank writes <job dir>/env_rank<N>.json, NCCL's error handling variables as it trains, and rank 0
-<job dir>/done.json once the task function's stages are done. APP_STRATEGY picks HydraDDP or
-HydraFSDP; APP_CLOSURE makes the task function one no child can import, so the children fall back
-to the config contract.
+<job dir>/done.json once the task function's stages are done. APP_CLOSURE makes the task
+function one no child can import, so the children fall back to the config contract: they build
+the config's strategy, APP_STRATEGY's (ddp or fsdp, full), whatever the plan says.
 """
 
 import gc
@@ -160,7 +160,8 @@ def record_what_is_left():
 def task(cfg):
     record_what_is_left()
     plan = cfg.plan[HydraConfig.get().job.num].split(":")
-    if "state_dict_type" in cfg.trainer.strategy:
+    cfg.trainer.strategy = STRATEGY["ddp" if plan[0] == "ddp" else "fsdp"]
+    if plan[0] != "ddp":
         cfg.trainer.strategy.state_dict_type = plan[0]
     trainer = instantiate(cfg.trainer)
     module = instantiate(cfg.module)
