@@ -18,10 +18,10 @@ running job); ``hydra_context.callbacks.callbacks`` (to follow job ends without 
 ``_world.group_count`` (reset after a failed rendezvous) and TCPStore's cache of multi-tenant
 stores (no port reused); ``ProcessGroup._device_types``/``_get_backend`` (torch < 2.4 deadlocked
 destroying a group; NCCL's abort before 2.7, ``_shutdown`` before 2.6), ``_world.pg_map`` (every
-group aborted) and ``_abort_process_group`` (an aborted group ends without waiting); FSDP's ``_handle.flat_param`` (freed at a job's end);
-``FSDPStrategy._setup_model`` (wrap on the CPU, once for all stages) and
-``_state_dict_type``; FSDP's ``_fsdp_wrapped_module`` name part and Lightning's ``meta.pt`` (what a
-checkpoint holds); ``rank_zero_only.rank`` (a forked child's rank).
+group aborted) and ``_abort_process_group`` (an aborted group ends without waiting); FSDP's
+``_handle.flat_param`` (freed at a job's end); ``FSDPStrategy._setup_model`` (wrap on the CPU, once
+for all stages) and ``_state_dict_type``; FSDP's ``_fsdp_wrapped_module`` name part and Lightning's
+``meta.pt`` (what a checkpoint holds); ``rank_zero_only.rank`` (a forked child's rank).
 """
 
 __version__ = "0.2.0"
@@ -1038,16 +1038,16 @@ def _abort_groups() -> None:
     ``ProcessGroup.abort`` of every group (>= 2.7: FSDP's hybrid shards and a DeviceMesh have groups
     of their own), else the default group's NCCL ``abort`` (2.6) or ``_shutdown`` (2.3-2.5, where it
     aborts; their NCCL aborts one communicator safely, not several). Gloo has none and needs none:
-    it fails a collective on a dead peer by itself."""
+    it fails a collective on a dead peer by itself. Raises nothing of its own: it runs on the fork
+    server's thread."""
     world = torch.distributed.group.WORLD
     if hasattr(world, "abort"):
-        for group in list(getattr(torch.distributed.distributed_c10d._world, "pg_map", None) or [world]):
+        registry = getattr(torch.distributed.distributed_c10d, "_world", None)
+        for group in list(getattr(registry, "pg_map", None) or [world]):
             group.abort()
         return
     for backend in _backends_of(world):
-        abort = getattr(backend, "abort", None) or getattr(backend, "_shutdown", None)
-        if abort is not None:
-            abort()
+        (getattr(backend, "abort", None) or getattr(backend, "_shutdown", None) or (lambda: None))()
 
 
 def _backends_of(group: Any) -> list:
