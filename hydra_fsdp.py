@@ -1005,14 +1005,14 @@ def _stage_for_children(trainer: Any, call: dict) -> dict:
 def _destroy_process_group(aborted: bool = False) -> None:
     if not torch.distributed.is_available():
         return
-    world = torch.distributed.group.WORLD
-    if aborted and hasattr(world, "abort"):  # torch >= 2.7: a graceful destroy could wait on the dead rank
-        abort = getattr(torch.distributed.distributed_c10d, "_abort_process_group", None)
+    # (No local name for the group here: its last reference must not outlive the destroy, see below.)
+    if aborted and hasattr(torch.distributed.group.WORLD, "abort"):  # torch >= 2.7: a graceful destroy
+        abort = getattr(torch.distributed.distributed_c10d, "_abort_process_group", None)  # could wait
         if abort is None:
             raise _upstream_changed(
                 "torch.distributed.distributed_c10d._abort_process_group", "end an aborted group"
             )
-        abort(world)
+        abort(torch.distributed.group.WORLD)
     if torch.distributed.is_initialized():
         # Hold the group's backends while it is destroyed, and let go of them after: their last
         # reference then goes with the GIL released. torch < 2.4 frees the group itself holding the
