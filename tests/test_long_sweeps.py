@@ -109,8 +109,9 @@ def test_a_failed_job_keeps_its_error_and_a_returned_module_its_weights(tmp_path
     memapp = importlib.import_module("memapp")
     from hydra_zen import launch
 
+    job = "full" if FSDP_ON_CPU else "ddp"
     overrides = [
-        "plan=[full:fail1,full:return]",
+        f"plan=[{job}:fail1,{job}:return]",
         "+n=0,1",
         "+hydra.callbacks.keep._target_=memapp.KeepReturns",
     ]
