@@ -77,6 +77,17 @@ def run(command, cwd, env, timeout=SWEEP_TIMEOUT):
     return Run(command, cwd, env).wait(timeout)
 
 
+def wait_all(runs, timeout=SWEEP_TIMEOUT):
+    """Wait for runs started side by side, each within ``timeout`` of its own start; whatever happens,
+    end every one of them."""
+    try:
+        for started in runs:
+            started.wait(max(1.0, started.started + timeout - time.monotonic()))
+    finally:
+        for started in runs:
+            started.end()
+
+
 def descendants(pid):
     """Every live process below ``pid``, and every process of its session, from /proc."""
     parent_of, session_of = {}, {}

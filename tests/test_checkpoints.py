@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import APPS, SWEEP_TIMEOUT, Run, app_env, ok, records, run
+from helpers import APPS, Run, app_env, ok, records, run, wait_all
 from shared import case_overrides, nothing_outlives
 
 pytestmark = pytest.mark.fsdp_cpu  # every test loads what HydraFSDP wrote on the CPU
@@ -111,12 +111,7 @@ def scripts_at_once(project, runs):
         name: Run([sys.executable, f"src/{script_name}.py", *overrides], project, app_env(env=env))
         for name, (script_name, overrides, env) in runs.items()
     }
-    try:
-        for proc in started.values():
-            proc.wait(max(1.0, proc.started + SWEEP_TIMEOUT - time.monotonic()))
-    finally:
-        for proc in started.values():
-            proc.end()
+    wait_all(started.values())
     return started
 
 

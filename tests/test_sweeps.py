@@ -3,7 +3,6 @@
 import json
 import os
 import pickle
-import time
 from pathlib import Path
 
 import pytest
@@ -11,7 +10,6 @@ import torch
 from helpers import (
     FSDP_ON_CPU,
     LIGHTNING,
-    SWEEP_TIMEOUT,
     assert_ranks_agree,
     copy_app,
     ok,
@@ -19,6 +17,7 @@ from helpers import (
     run_app,
     start_sweep,
     sweep_in,
+    wait_all,
 )
 from shared import case_overrides, nothing_outlives
 
@@ -77,12 +76,7 @@ def shared_sweep(tmp_path_factory):
                     )
                     for name, app in apps.items()
                 }
-                try:
-                    for run in runs.values():
-                        run.wait(max(1.0, run.started + SWEEP_TIMEOUT - time.monotonic()))
-                finally:
-                    for run in runs.values():
-                        run.end()
+                wait_all(runs.values())
             for name, app in apps.items():
                 sweeps[name] = {case: app / "sweep" / case for case in CASES[name]}, runs[name]
         jobs, run = sweeps[strategy]
