@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import APPS, SWEEP_TIMEOUT, app_env, assert_ranks_agree, ok, records, run, run_app
+from helpers import APPS, FSDP_ON_CPU, SWEEP_TIMEOUT, app_env, assert_ranks_agree, ok, records, run, run_app
 
 PYTORCH_LIGHTNING = ("pytorch_lightning", "lightning_fabric")
 LIGHTNING = ("lightning", "lightning.pytorch", "lightning.fabric")
@@ -56,16 +56,45 @@ def assert_yaml_job(job_dir, strategy, stages=("fit", "test"), lightning="lightn
 
 # Which packages each run leaves importable: both, or the Trainer's own alone.
 INSTALLED = {"both installed": (), "alone": None}
+# The YAML app's jobs on lightning.pytorch: each strategy (HydraFSDP where Lightning runs it on the
+# CPU; its tests skip elsewhere, see conftest.py) x model.lr, in this order (Hydra's job numbers).
+STRATEGIES = ["HydraDDP", "HydraFSDP"] if FSDP_ON_CPU else ["HydraDDP"]
+LRS = (0.1, 0.2)
+
+
+@pytest.fixture(scope="module")
+def yaml_sweep(tmp_path_factory):
+    """``yaml_sweep(installed)``: the YAML app's directory and its one sweep of every strategy x lr on
+    lightning.pytorch, fit then test, with ``installed`` packages importable; shared by the tests
+    that read it (one sweep where each strategy had one, and the logs one more)."""
+    sweeps = {}
+
+    def sweep(installed):
+        if installed not in sweeps:
+            tmp = tmp_path_factory.mktemp("yaml")
+            proj = Path(shutil.copytree(APPS / "yaml_app", tmp / "proj"))
+            env = hide(tmp, PYTORCH_LIGHTNING) if installed == "alone" else {}
+            targets = ",".join(f"hydra_fsdp.{strategy}" for strategy in STRATEGIES)
+            overrides = (f"trainer.strategy._target_={targets}", f"model.lr={','.join(map(str, LRS))}")
+            sweeps[installed] = proj, ok(run_yaml(proj, *overrides, env=env))
+        return sweeps[installed]
+
+    return sweep
+
+
+def yaml_jobs(proj, strategy):
+    """The job dirs of one strategy in the shared YAML sweep, with their lr."""
+    first = STRATEGIES.index(strategy) * len(LRS)
+    return [(proj / "sweep" / str(first + n), lr) for n, lr in enumerate(LRS)]
 
 
 @pytest.mark.parametrize("installed", INSTALLED)
 @pytest.mark.parametrize("strategy", ["HydraDDP", "HydraFSDP"])
-def test_yaml_plain_names_on_lightning_pytorch(yaml_app, tmp_path, installed, strategy):
-    env = hide(tmp_path, PYTORCH_LIGHTNING) if installed == "alone" else {}
-    ok(run_yaml(yaml_app, "model.lr=0.1,0.2", f"trainer.strategy._target_=hydra_fsdp.{strategy}", env=env))
-    for job, lr in ((0, 0.1), (1, 0.2)):
-        assert_yaml_job(yaml_app / "sweep" / str(job), f"hydra_fsdp.lightning.{strategy}")
-        assert records(yaml_app / "sweep" / str(job))[1]["lr"] == lr
+def test_yaml_plain_names_on_lightning_pytorch(yaml_sweep, installed, strategy):
+    proj, _ = yaml_sweep(installed)
+    for job_dir, lr in yaml_jobs(proj, strategy):
+        assert_yaml_job(job_dir, f"hydra_fsdp.lightning.{strategy}")
+        assert records(job_dir)[1]["lr"] == lr
 
 
 @pytest.mark.parametrize("installed", INSTALLED)
@@ -92,15 +121,16 @@ def test_hydra_zen_plain_names_on_either_namespace(app, tmp_path, installed, lig
         assert rank["strategy_namespace"] == rank["trainer_namespace"] == lightning
 
 
-def test_child_logs_go_to_their_own_file_not_the_console(yaml_app):
-    proc = ok(run_yaml(yaml_app, "model.lr=0.1,0.2", "test=false"))
-    console = proc.text()
-    assert console.count("rank 0 of 2: trained") == 2 and "rank 1 of 2" not in console
+def test_child_logs_go_to_their_own_file_not_the_console(yaml_sweep):
+    proj, proc = yaml_sweep("both installed")
+    console, jobs = proc.text(), len(STRATEGIES) * len(LRS)
+    assert console.count("rank 0 of 2: trained") == jobs and "rank 1 of 2" not in console
     assert "GLOBAL_RANK: 1" not in console and "GLOBAL_RANK: 0" in console
-    # each job's warning is shown once, by rank 0; the child's copy is in the child's log
+    # rank 0's warning is shown (once in the sweep: Python shows a warning once per place, its text
+    # and its source line); each child's copy is in the child's log
     assert console.count("a warning that every rank raises") == 2
-    for job in ("0", "1"):
-        job_dir = yaml_app / "sweep" / job
+    for job in map(str, range(jobs)):
+        job_dir = proj / "sweep" / job
         child_log = (job_dir / "rank_1.log").read_text()
         assert "rank 1 of 2: trained" in child_log and "a warning that every rank raises" in child_log
         rank0_log = (job_dir / "train.log").read_text()  # Hydra's job log: rank 0's alone
