@@ -7,6 +7,7 @@ import time
 import pytest
 from helpers import (
     FAULT_BOUND,
+    FSDP_ON_CPU,
     SWEEP_TIMEOUT,
     alive,
     assert_failed_job_then_healthy_job,
@@ -19,79 +20,143 @@ from helpers import (
     sweep_in,
     wait_for,
 )
+from shared import case_overrides, nothing_outlives
+
+# One sweep serves the tests of a job that fails and the healthy job after it: each scenario is a
+# case (see shared.py) that fails in its own job, followed by a healthy case "<name>_next" with the
+# same strategy and timeouts, each in <sweep>/<case>. At its end Hydra prints its first failed job's
+# error alone: the app's RecordError writes each failed job's to its error.txt.
+FSDP = {"trainer.strategy._target_": "hydra_fsdp.HydraFSDP"}  # the app's default: HydraDDP
+GROUP_TIMEOUT = {"trainer.strategy.timeout.seconds": 5}  # the process group's
+FAILING = {
+    **{
+        f"{how}_{strategy}": {"module.fail_rank": 1, "module.fail_how": how, **settings}
+        for strategy, settings in (("ddp", {}), ("fsdp", FSDP))
+        for how in ("train_raise", "train_kill")
+    },
+    "init_raise": {"module.fail_rank": 1, "module.fail_how": "init_raise"},
+    # rank 1 fails in its last stage's final hook, after the last collective rank 0 takes part in
+    "end_raise": {"module.fail_rank": 1, "module.fail_how": "end_raise"},
+    **{
+        f"rank0_{strategy}": {"module.fail_rank": 0, "module.fail_how": "train_raise", **settings}
+        for strategy, settings in (("ddp", {}), ("fsdp", FSDP))
+    },
+    "init_hang": {"module.fail_rank": 1, "module.fail_how": "init_hang", "trainer.strategy.rank_timeout": 8},
+    # rank 0 waits in init_process_group for a child that died there, until the group's timeout;
+    # that failed init must not leave rank 0 naming the next job's process group differently
+    "rendezvous_kill": {"module.fail_rank": 1, "module.fail_how": "rendezvous_kill", **GROUP_TIMEOUT},
+    "train_hang": {"module.fail_rank": 1, "module.fail_how": "train_hang", **GROUP_TIMEOUT},
+}
+if not FSDP_ON_CPU:  # Lightning refuses FSDP on the CPU: the FSDP tests skip (conftest.py)
+    FAILING = {case: settings for case, settings in FAILING.items() if not case.endswith("fsdp")}
+FIRST = next(iter(FAILING))
+
+
+@pytest.fixture(scope="module")
+def failing_sweep(tmp_path_factory):
+    """The app dir and the run of the one sweep of every FAILING case, each followed by its healthy one."""
+    app = copy_app(tmp_path_factory.mktemp("failing"))
+    cases = {}
+    for case, settings in FAILING.items():
+        cases[case] = {**settings, "module.fail_job": "${hydra:job.num}"}  # fails in its own job
+        cases[f"{case}_next"] = {key: value for key, value in settings.items() if "fail" not in key}
+    record_errors = "+hydra.callbacks.record_error._target_=__main__.RecordError"
+    with nothing_outlives("the failing sweep"):
+        proc = sweep_in(app, *case_overrides(app / "conf", cases), record_errors)
+    return app, proc
+
+
+def error_of(failing_sweep, case):
+    """Job ``case``'s error, as Hydra prints a failed job's; for the sweep's first failed job, the
+    sweep's output too (where Hydra printed it)."""
+    app, proc = failing_sweep
+    error = (app / "sweep" / case / "error.txt").read_text()
+    return error + proc.text() if case == FIRST else error
+
+
+def assert_failed_then_healthy(failing_sweep, case, failed_rank, expect_in_error):
+    app, proc = failing_sweep
+    if case == FIRST:  # Hydra printed this one's error, as the sweep's first
+        for text in expect_in_error:
+            assert text in proc.text(), f"{text!r} not in the sweep's output:\n{proc.text()[-6000:]}"
+    assert_failed_job_then_healthy_job(
+        app,
+        proc,
+        failed_rank,
+        expect_in_error=expect_in_error,
+        failed=case,
+        healthy=f"{case}_next",
+        error=error_of(failing_sweep, case),
+        first_of_sweep=case == FIRST,
+    )
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 @pytest.mark.parametrize("how", ["train_raise", "train_kill"])
-def test_child_rank_failure_fails_its_job_not_the_sweep(app, strategy, how):
-    proc = sweep_in(
-        app, "module.lr=0.1,0.2", "module.fail_rank=1", f"module.fail_how={how}", strategy=strategy
-    )
-    log = app / "sweep" / "0" / "rank_1.log"
+def test_child_rank_failure_fails_its_job_not_the_sweep(failing_sweep, strategy, how):
+    app, proc = failing_sweep
+    log = app / "sweep" / f"{how}_{strategy}" / "rank_1.log"
     code = "exit code 1" if how == "train_raise" else "exit code -9 (killed by SIGKILL)"
     expected = ["Child rank 1 failed", code, str(log)]
     if how == "train_raise":
         expected.append("ValueError: injected failure on rank 1")  # the child's own traceback, quoted
-    assert_failed_job_then_healthy_job(app, proc, 1, expect_in_error=expected)
-    print(f"{strategy} {how}: sweep of 2 jobs took {proc.seconds:.1f} s")
-
-
-def test_child_rank_failure_while_starting_fails_fast(app):
-    proc = sweep_in(app, "module.lr=0.1,0.2", "module.fail_rank=1", "module.fail_how=init_raise")
-    assert_failed_job_then_healthy_job(
-        app, proc, 1, expect_in_error=["Child rank 1 failed", "exit code 1", "injected failure on rank 1"]
+    assert_failed_then_healthy(failing_sweep, f"{how}_{strategy}", 1, expected)
+    print(
+        f"the failing sweep: {len(FAILING)} failed jobs, each followed by a healthy one: {proc.seconds:.1f} s"
     )
 
 
-def test_child_failing_after_rank0_finished_still_fails_its_job(app):
-    # rank 1 fails in its last stage's final hook, after the last collective rank 0 takes part in
-    proc = sweep_in(app, "module.lr=0.1,0.2", "module.fail_rank=1", "module.fail_how=end_raise")
+def test_child_rank_failure_while_starting_fails_fast(failing_sweep):
+    assert_failed_then_healthy(
+        failing_sweep, "init_raise", 1, ["Child rank 1 failed", "exit code 1", "injected failure on rank 1"]
+    )
+
+
+def test_child_failing_after_rank0_finished_still_fails_its_job(failing_sweep):
+    app, proc = failing_sweep
     assert proc.returncode != 0
-    assert "Child rank 1 failed" in proc.text() and "injected failure on rank 1" in proc.text()
-    assert records(app / "sweep" / "0")[0], "rank 0 finished job 0"
-    assert_ranks_agree(app / "sweep" / "1")
+    error = error_of(failing_sweep, "end_raise")
+    assert "Child rank 1 failed" in error and "injected failure on rank 1" in error
+    assert records(app / "sweep" / "end_raise")[0], "rank 0 finished the job"
+    assert_ranks_agree(app / "sweep" / "end_raise_next")
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_rank0_failure_ends_its_children(app, strategy):
-    proc = sweep_in(
-        app, "module.lr=0.1,0.2", "module.fail_rank=0", "module.fail_how=train_raise", strategy=strategy
-    )
+def test_rank0_failure_ends_its_children(failing_sweep, strategy):
+    app, proc = failing_sweep
+    case = f"rank0_{strategy}"
     assert proc.returncode != 0
-    assert "ValueError: injected failure on rank 0" in proc.text()
-    assert not records(app / "sweep" / "0")
-    assert_ranks_agree(app / "sweep" / "1")
-    for job in ("0", "1"):
+    assert "ValueError: injected failure on rank 0" in error_of(failing_sweep, case)
+    assert not records(app / "sweep" / case)
+    assert_ranks_agree(app / "sweep" / f"{case}_next")
+    for job in (case, f"{case}_next"):
         for rank, pid in started_pids(app / "sweep" / job).items():
             assert not alive(pid), f"job {job} rank {rank} (pid {pid}) is still running"
 
 
-def test_child_hanging_before_rendezvous_is_bounded_by_rank_timeout(app):
-    proc = sweep_in(
-        app,
-        "module.lr=0.1,0.2",
-        "module.fail_rank=1",
-        "module.fail_how=init_hang",
-        "trainer.strategy.rank_timeout=8",
-    )
-    assert_failed_job_then_healthy_job(
-        app, proc, 1, expect_in_error=["[1] did not reach the process group within 8 s", "rank_timeout"]
+def test_child_hanging_before_rendezvous_is_bounded_by_rank_timeout(failing_sweep):
+    assert_failed_then_healthy(
+        failing_sweep, "init_hang", 1, ["[1] did not reach the process group within 8 s", "rank_timeout"]
     )
 
 
-def test_child_dying_in_the_rendezvous_fails_its_job_and_leaves_the_next_one_whole(app):
-    # rank 0 waits in init_process_group for a child that died there, until the group's timeout;
-    # that failed init must not leave rank 0 naming the next job's process group differently
-    proc = sweep_in(
-        app,
-        "module.lr=0.1,0.2",
-        "module.fail_rank=1",
-        "module.fail_how=rendezvous_kill",
-        "+trainer.strategy.timeout={_target_:datetime.timedelta,seconds:5}",
+def test_child_dying_in_the_rendezvous_fails_its_job_and_leaves_the_next_one_whole(failing_sweep):
+    assert_failed_then_healthy(
+        failing_sweep, "rendezvous_kill", 1, ["Child rank 1 failed", "exit code -9 (killed by SIGKILL)"]
     )
-    assert_failed_job_then_healthy_job(
-        app, proc, 1, expect_in_error=["Child rank 1 failed", "exit code -9 (killed by SIGKILL)"]
+
+
+def test_child_hanging_in_training_is_bounded_by_the_process_group_timeout(failing_sweep):
+    app, _ = failing_sweep
+    log = app / "sweep" / "train_hang" / "rank_1.log"
+    assert_failed_then_healthy(
+        failing_sweep,
+        "train_hang",
+        1,
+        ["Timed out", "child ranks were still running", "rank 1 (pid", f"its log is {log}"],
     )
+    # the log shows where the hung rank stood: its stack, dumped before it was ended
+    assert "in _maybe_fail" in log.read_text()
 
 
 # Imported at start-up by every Python process given this directory in PYTHONPATH: it makes the
@@ -119,25 +184,6 @@ def test_fork_server_hanging_in_its_imports_is_bounded_by_rank_timeout(app, tmp_
         1,
         expect_in_error=["hydra_fsdp's fork server (pid", "started none within 8 s and was ended"],
     )
-
-
-def test_child_hanging_in_training_is_bounded_by_the_process_group_timeout(app):
-    proc = sweep_in(
-        app,
-        "module.lr=0.1,0.2",
-        "module.fail_rank=1",
-        "module.fail_how=train_hang",
-        "+trainer.strategy.timeout={_target_:datetime.timedelta,seconds:5}",
-    )
-    log = app / "sweep" / "0" / "rank_1.log"
-    assert_failed_job_then_healthy_job(
-        app,
-        proc,
-        1,
-        expect_in_error=["Timed out", "child ranks were still running", "rank 1 (pid", f"its log is {log}"],
-    )
-    # the log shows where the hung rank stood: its stack, dumped before it was ended
-    assert "in _maybe_fail" in log.read_text()
 
 
 def stop(sweep, how):

@@ -8,16 +8,20 @@ or after the task function's last stage.
 The task function runs the stages of ``stages``, each "<stage>[:<same|fresh module>[:<ckpt_path>]]".
 """
 
+import datetime
 import json
 import os
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import hydra
 import numpy
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.utils import JobStatus
+from hydra.experimental.callback import Callback
 from hydra.utils import get_original_cwd, instantiate
 from hydra_zen import builds, make_config, store
 from omegaconf import OmegaConf
@@ -166,6 +170,16 @@ class Tiny(pl.LightningModule):
         self._record("predict")
 
 
+class RecordError(Callback):
+    """``+hydra.callbacks.record_error._target_=__main__.RecordError``: a failed job's error, as Hydra
+    would print it, in <job dir>/error.txt (at a sweep's end Hydra prints its first failed job's alone)."""
+
+    def on_job_end(self, config, job_return, **kwargs):
+        if job_return.status == JobStatus.FAILED:
+            error = "".join(traceback.format_exception(job_return._return_value))
+            (job_dir() / "error.txt").write_text(error)
+
+
 Trainer = builds(
     pl.Trainer,
     accelerator="cpu",
@@ -178,7 +192,12 @@ Trainer = builds(
     num_sanity_val_steps=0,
     default_root_dir="${hydra:runtime.output_dir}",
     callbacks=None,
-    strategy=builds(STRATEGIES[os.environ.get("APP_STRATEGY", "ddp")], rank_timeout=60),
+    # the process group's timeout, torch's default (30 min) unless a job sets trainer.strategy.timeout.seconds
+    strategy=builds(
+        STRATEGIES[os.environ.get("APP_STRATEGY", "ddp")],
+        rank_timeout=60,
+        timeout=builds(datetime.timedelta, seconds=1800),
+    ),
     populate_full_signature=True,
 )
 Config = make_config(
