@@ -375,9 +375,8 @@ class _ForkServer:
     A child started from scratch pays those imports on every job (seconds; more on a cluster's
     shared file system). A fork of a process that holds them is up in milliseconds and is still a
     fresh process: a new pid, rank 0's script and all else imported anew, the job's environment.
-    So the server imports nothing more (but hydra-zen, if rank 0 uses it: pure Python, and
-    most of a hydra-zen script's import), starts no thread and never touches CUDA (with
-    ``PYTORCH_NVML_BASED_CUDA_CHECK`` a CUDA query asks NVML instead of initialising CUDA). It runs
+    So the server imports nothing more (but hydra-zen, if rank 0 has), starts no thread and never
+    touches CUDA (with ``PYTORCH_NVML_BASED_CUDA_CHECK`` a CUDA query asks NVML instead). It runs
     as ``python /path/to/hydra_fsdp.py`` with ``HYDRA_FSDP_FORK_SERVER`` naming what to import,
     reads a child's command a line on stdin, answers its pid and later its exit code on stdout
     (read here by a thread), and ends, ending its children, when rank 0 closes its stdin or dies.
@@ -490,11 +489,13 @@ class _ForkedChild:
 
 def _serve_forks(imports: list) -> None:
     """The fork server's loop (see ``_ForkServer``): fork a child per request, report each exit."""
+    gc.disable()  # collecting a growing heap would take a fifth of the imports' time
     for name in imports:  # what every child needs, imported once for all of them
         importlib.import_module(name)
     # The children's collections skip what the server holds: a full collection over torch and
     # Lightning takes 0.2 s, and would write to (and so copy) every page those objects lie on.
     gc.freeze()
+    gc.enable()
     replies = os.dup(1)
     os.dup2(2, 1)  # whatever anything prints goes to rank 0's stderr, never into the replies
     # Ctrl-C reaches rank 0 and the children, which get what a process rank 0 started would have:
@@ -524,7 +525,7 @@ def _serve_forks(imports: list) -> None:
     for pid in children:  # rank 0 is gone, and with it the job
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
-    os._exit(0)  # nothing to clean up: finalizing torch would only cost rank 0 most of a second
+    os._exit(0)  # nothing to clean up: finalizing torch would cost rank 0 most of a second
 
 
 def _set_rank_zero_only(lightning: str, rank: int) -> None:

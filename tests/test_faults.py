@@ -24,14 +24,14 @@ from shared import case_overrides, nothing_outlives
 
 # One sweep serves the tests of a job that fails and the healthy job after it: each scenario is a
 # case (see shared.py) that fails in its own job, followed by a healthy case "<name>_next" with the
-# same strategy and timeouts, each in <sweep>/<case>. At its end Hydra prints its first failed job's
-# error alone: the app's RecordError writes each failed job's to its error.txt.
-FSDP = {"trainer.strategy._target_": "hydra_fsdp.HydraFSDP"}  # the app's default: HydraDDP
+# same strategy and timeouts (its trainer.* settings), each in <sweep>/<case>. At its end Hydra
+# prints its first failed job's error alone: the app's RecordError writes each one's to its error.txt.
+STRATEGIES = ("ddp", {}), ("fsdp", {"trainer.strategy._target_": "hydra_fsdp.HydraFSDP"})  # the app's: DDP
 GROUP_TIMEOUT = {"trainer.strategy.timeout.seconds": 5}  # the process group's
 FAILING = {
     **{
         f"{how}_{strategy}": {"module.fail_rank": 1, "module.fail_how": how, **settings}
-        for strategy, settings in (("ddp", {}), ("fsdp", FSDP))
+        for strategy, settings in STRATEGIES
         for how in ("train_raise", "train_kill")
     },
     "init_raise": {"module.fail_rank": 1, "module.fail_how": "init_raise"},
@@ -39,13 +39,15 @@ FAILING = {
     "end_raise": {"module.fail_rank": 1, "module.fail_how": "end_raise"},
     **{
         f"rank0_{strategy}": {"module.fail_rank": 0, "module.fail_how": "train_raise", **settings}
-        for strategy, settings in (("ddp", {}), ("fsdp", FSDP))
+        for strategy, settings in STRATEGIES
     },
     "init_hang": {"module.fail_rank": 1, "module.fail_how": "init_hang", "trainer.strategy.rank_timeout": 8},
     # rank 0 waits in init_process_group for a child that died there, until the group's timeout;
     # that failed init must not leave rank 0 naming the next job's process group differently
     "rendezvous_kill": {"module.fail_rank": 1, "module.fail_how": "rendezvous_kill", **GROUP_TIMEOUT},
     "train_hang": {"module.fail_rank": 1, "module.fail_how": "train_hang", **GROUP_TIMEOUT},
+    # rank 0 alone builds an EarlyStopping callback, which would deadlock the ranks
+    **{f"mismatch_{strategy}": {"rank0_callback": True, **settings} for strategy, settings in STRATEGIES},
 }
 if not FSDP_ON_CPU:  # Lightning refuses FSDP on the CPU: the FSDP tests skip (conftest.py)
     FAILING = {case: settings for case, settings in FAILING.items() if not case.endswith("fsdp")}
@@ -59,7 +61,7 @@ def failing_sweep(tmp_path_factory):
     cases = {}
     for case, settings in FAILING.items():
         cases[case] = {**settings, "module.fail_job": "${hydra:job.num}"}  # fails in its own job
-        cases[f"{case}_next"] = {key: value for key, value in settings.items() if "fail" not in key}
+        cases[f"{case}_next"] = {key: value for key, value in settings.items() if key.startswith("trainer.")}
     record_errors = "+hydra.callbacks.record_error._target_=__main__.RecordError"
     with nothing_outlives("the failing sweep"):
         proc = sweep_in(app, *case_overrides(app / "conf", cases), record_errors)
@@ -157,6 +159,25 @@ def test_child_hanging_in_training_is_bounded_by_the_process_group_timeout(faili
     )
     # the log shows where the hung rank stood: its stack, dumped before it was ended
     assert "in _maybe_fail" in log.read_text()
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_ranks_about_to_run_different_things_fail_their_job_fast(failing_sweep, strategy):
+    app, proc = failing_sweep
+    case = f"mismatch_{strategy}"
+    error = error_of(failing_sweep, case)
+    assert proc.returncode != 0
+    assert (
+        "RankLaunchError: The ranks of this job are about to run different things in trainer.fit()" in error
+    )
+    assert "callbacks: rank 0 [EarlyStopping], rank 1 []" in error
+    assert not records(app / "sweep" / case)
+    assert_ranks_agree(app / "sweep" / f"{case}_next")  # the sweep went on
+    # from the mismatched job's module being built (before fit) to the next job's: its whole failure
+    jobs = (case, f"{case}_next")
+    started = [(app / "sweep" / job / "started" / "rank0.json").stat().st_mtime for job in jobs]
+    assert started[1] - started[0] < 30, f"the mismatched job took {started[1] - started[0]:.1f} s to fail"
+    print(f"{strategy}: the mismatched job failed within {started[1] - started[0]:.1f} s")
 
 
 # Imported at start-up by every Python process given this directory in PYTHONPATH: it makes the
