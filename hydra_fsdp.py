@@ -86,9 +86,8 @@ _CHECK_IN_KEY = "hydra_fsdp/ready/{}"
 _GO_KEY = "hydra_fsdp/go"  # rank 0 runs this job with these children: they may run the task function
 _STAGE_KEY = "hydra_fsdp/stage/{}"  # the fallback: the stages rank 0 runs, in order
 # What a job may change in rank 0's environment (it sets MASTER_PORT; Lightning sets
-# MASTER_ADDR/MASTER_PORT and its teardown deletes WORLD_SIZE): put back as it was afterwards,
-# so that the next job of the sweep neither reuses this job's port nor mistakes itself for a
-# child, and nothing a scheduler set is lost.
+# MASTER_ADDR/MASTER_PORT and deletes WORLD_SIZE): put back after it, so that the next job
+# neither reuses its port nor mistakes itself for a child, and nothing a scheduler set is lost.
 _RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
 # Rank 0 is the sweep: on a dead peer or a collective's timeout its NCCL groups are to abort the
 # communicator and keep the process (2), not tear it down (torch's default, 3), nor kill it minutes
@@ -887,9 +886,9 @@ class _FollowHydra(Callback):
     froze = False
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
-        # What was alive before the job is not what its end collects: frozen meanwhile, it is not scanned
-        # (a full collection over torch and Lightning takes a good part of a second). Not where someone
-        # froze objects of their own (before forking DataLoader workers, say): unfreezing would undo it.
+        # What was alive before the job, frozen meanwhile, is not scanned by its end's collection (a
+        # full one over torch and Lightning takes most of a second). Not where someone froze objects
+        # of their own (before forking DataLoader workers, say): unfreezing would undo it.
         if gc.get_freeze_count() == 0:  # (frozen still if the last job raised past its end: SystemExit)
             gc.freeze()
             self.froze = True
@@ -1066,10 +1065,12 @@ def _end_process_groups_at_exit() -> None:
     Destroying alone leaves gloo's threads running while anything holds a group (an FSDP module
     does, in a reference cycle), and at interpreter exit they abort the process (``terminate
     called without an active exception``, SIGABRT) after a sweep that finished. Collecting the
-    cycles ends them. (A child rank leaves by ``os._exit``, which never gets that far.)
+    cycles ends them; frozen then, the rest is not scanned again by the exit's collections (a
+    second). A child rank leaves by ``os._exit``.
     """
     _destroy_process_group()
     gc.collect()
+    gc.freeze()
 
 
 def _let_go_of_the_job(job_return: Any) -> None:

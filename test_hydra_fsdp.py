@@ -666,3 +666,15 @@ def test_a_job_end_scans_only_the_jobs_objects_and_leaves_a_users_freeze_alone()
         assert gc.get_freeze_count() == frozen
     finally:
         gc.unfreeze()
+
+
+def test_at_exit_the_groups_end_and_the_rest_is_frozen_for_the_interpreters_own_collections():
+    import gc
+
+    with mock.patch.object(hydra_fsdp, "_destroy_process_group") as destroy:
+        try:
+            hydra_fsdp._end_process_groups_at_exit()
+            assert gc.get_freeze_count() > 0, "the exit's collections would scan it all again"
+        finally:
+            gc.unfreeze()
+    destroy.assert_called_once_with()

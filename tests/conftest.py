@@ -17,9 +17,17 @@ def pytest_configure(config):
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+# Under -n (pytest-xdist, --dist loadscope --no-loadscope-reorder) a free worker takes the next
+# module in collection order: the longest first (seconds in a worker, 2 cores), for both to end together.
+LONGEST_FIRST = ["test_checkpoints", "test_slurm", "test_faults", "test_sweeps", "test_long_sweeps"]
+
+
 def pytest_collection_modifyitems(config, items):
-    """Skip what runs HydraFSDP on the CPU where Lightning refuses it (tests/test_sweeps.py tests
-    the refusal there): a test marked fsdp_cpu, or one parametrized with the FSDP strategy."""
+    """Run the longest modules first (see above). Skip what runs HydraFSDP on the CPU where
+    Lightning refuses it (tests/test_sweeps.py tests the refusal there): a test marked fsdp_cpu,
+    or one parametrized with the FSDP strategy."""
+    rank = {name: n for n, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: in-module order kept
     if FSDP_ON_CPU:
         return
     skip = pytest.mark.skip(reason=FSDP_ON_CPU_REASON)
