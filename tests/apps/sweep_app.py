@@ -11,6 +11,7 @@ The task function runs the stages of ``stages``, each "<stage>[:<same|fresh modu
 import datetime
 import json
 import os
+import sys
 import threading
 import time
 import traceback
@@ -170,14 +171,39 @@ class Tiny(pl.LightningModule):
         self._record("predict")
 
 
+class _Tee:
+    """A stream that also writes to a file."""
+
+    def __init__(self, stream, path):
+        self.stream, self.file = stream, open(path, "w")  # noqa: SIM115 - closed by RecordError
+
+    def write(self, text):
+        self.file.write(text)
+        return self.stream.write(text)
+
+    def flush(self):
+        self.file.flush()
+        self.stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
 class RecordError(Callback):
     """``+hydra.callbacks.record_error._target_=__main__.RecordError``: a failed job's error, as Hydra
-    would print it, in <job dir>/error.txt (at a sweep's end Hydra prints its first failed job's alone)."""
+    would print it, in <job dir>/error.txt (at a sweep's end Hydra prints its first failed job's alone),
+    followed by what rank 0 wrote to stderr in the job (where hydra_fsdp puts an error's notes before
+    Python 3.11)."""
+
+    def on_job_start(self, config, **kwargs):
+        sys.stderr = _Tee(sys.stderr, job_dir() / "stderr.txt")
 
     def on_job_end(self, config, job_return, **kwargs):
+        tee, sys.stderr = sys.stderr, sys.stderr.stream
+        tee.file.close()
         if job_return.status == JobStatus.FAILED:
             error = "".join(traceback.format_exception(job_return._return_value))
-            (job_dir() / "error.txt").write_text(error)
+            (job_dir() / "error.txt").write_text(error + (job_dir() / "stderr.txt").read_text())
 
 
 Trainer = builds(
