@@ -18,7 +18,6 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -40,11 +39,15 @@ JOBS = {  # the writing sweep's jobs, in Hydra's order
 }
 
 
-SUM_OF = """
-import json, sys, torch
+READ = """
+import json, runpy, sys, torch
 sys.path.insert(0, ".")  # the checkpoint pickles the app's own classes
+sharded, files = json.loads(sys.argv[1])
+for directory in sharded:  # what `python -m lightning.pytorch.utilities.consolidate_checkpoint DIR` runs
+    sys.argv[1:] = [directory]
+    runpy.run_module("lightning.pytorch.utilities.consolidate_checkpoint", run_name="__main__")
 sums = {}
-for path in sys.argv[1:]:
+for path in files:
     state_dict = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
     sums[path] = sum(float(tensor.double().sum()) for tensor in state_dict.values())
 print(json.dumps(sums))
@@ -54,15 +57,19 @@ SUMS = {}  # checkpoint path: the sum of its weights
 
 def checkpoint_sums(paths):
     """The sum of each checkpoint's weights, by path; a sharded one is read through its consolidated
-    file. One process reads all those not read yet (each one started imports torch: seconds)."""
+    file, which Lightning's own utility writes. One process, run from the project's root (it imports
+    the app's classes the checkpoint pickles), consolidates and reads all those not read yet: each
+    process started imports torch and Lightning, seconds of CPU."""
     paths = [Path(path) for path in paths]
-    consolidated_at_once([path for path in paths if path.is_dir()])
-    files = {str(path): consolidated(path) if path.is_dir() else path for path in paths}
+    files = {
+        str(path): path.with_name(path.name + ".consolidated") if path.is_dir() else path for path in paths
+    }
+    sharded = sorted(str(path) for path in paths if path.is_dir() and not Path(files[str(path)]).exists())
     unread = sorted({str(file) for file in files.values()} - set(SUMS))
     if unread:
-        proc = subprocess.run([sys.executable, "-c", SUM_OF, *unread], cwd=project_of(unread[0]),
-                              capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
-        assert proc.returncode == 0, proc.stderr
+        proc = subprocess.run([sys.executable, "-c", READ, json.dumps([sharded, unread])], cwd=project_of(unread[0]),
+                              env=app_env(env=TRUSTED), capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-5000:]
         SUMS.update(json.loads(proc.stdout.splitlines()[-1]))
     return {path: SUMS[str(file)] for path, file in files.items()}
 
@@ -72,26 +79,9 @@ def checkpoint_sum(path):
 
 
 def consolidated(directory):
-    """Lightning's own utility makes one file of a sharded checkpoint, run from the project's root
-    (as ``python -m``, which can then import the app's classes the checkpoint pickles)."""
-    target = directory.with_name(directory.name + ".consolidated")
-    if not target.exists():
-        command = [sys.executable, "-m", "lightning.pytorch.utilities.consolidate_checkpoint", str(directory)]
-        ok(run(command, project_of(directory), app_env(env=TRUSTED), timeout=120))
-    return target
-
-
-def consolidated_at_once(directories):
-    """consolidated() of several sharded checkpoints, side by side: one process each."""
-    todo = [d for d in directories if not d.with_name(d.name + ".consolidated").exists()]
-    command = [sys.executable, "-m", "lightning.pytorch.utilities.consolidate_checkpoint"]
-    runs = [Run([*command, str(d)], project_of(d), app_env(env=TRUSTED)) for d in todo]
-    try:
-        for proc in runs:
-            ok(proc.wait(max(1.0, proc.started + 120 - time.monotonic())))
-    finally:
-        for proc in runs:
-            proc.end()
+    """The file Lightning's utility made of the sharded checkpoint ``directory`` (see checkpoint_sums)."""
+    checkpoint_sums([directory])
+    return directory.with_name(directory.name + ".consolidated")
 
 
 def project_of(path):
@@ -139,7 +129,7 @@ def project(tmp_path_factory):
     for (trainer, model), job in JOBS.items():
         overrides = (root / "sweep" / str(job) / ".hydra" / "overrides.yaml").read_text()
         assert f"trainer={trainer}\n" in overrides and f"model={model}\n" in overrides, overrides
-    checkpoint_sums(root.glob("sweep/*/checkpoints/*.ckpt"))  # read at once, in 3 processes or so
+    checkpoint_sums(root.glob("sweep/*/checkpoints/*.ckpt"))  # read at once, in one process
     return root
 
 
