@@ -100,23 +100,38 @@ def test_two_sweeps_at_once_share_no_port(shared_sweep):
 # HydraDDP
 
 
-def test_ddp_sweep_every_rank_trains_its_own_job(app):
-    proc = ok(run_app(app, "module.lr=0.1,0.2"))  # Hydra's default timestamped sweep dir
+NOTE = "a=b,[c] $x {y} w\\\\v"  # in the job dirs' names: the job's overrides name its subdir
+
+
+@pytest.fixture(scope="module")
+def default_dir_sweep(tmp_path_factory):
+    """One HydraDDP sweep into Hydra's default timestamped sweep dir, each job's subdir named by its
+    overrides, special characters among them: the app dir, the sweep dir, its job dirs (by lr) and run."""
+    app = copy_app(tmp_path_factory.mktemp("default_dir"))
+    overrides = ("hydra.sweep.subdir=${hydra.job.override_dirname}", "module.lr=0.1,0.2", f"+note='{NOTE}'")
+    with nothing_outlives("the sweep into Hydra's default dirs"):
+        proc = ok(run_app(app, *overrides))
     sweep_dirs = [p for p in (app / "multirun").glob("*/*") if p.is_dir()]
     assert len(sweep_dirs) == 1, f"expected one sweep dir, found {sweep_dirs}"
-    sweep = sweep_dirs[0]
+    job_dirs = sorted(p for p in sweep_dirs[0].iterdir() if p.is_dir())  # by lr: the names differ there
+    assert len(job_dirs) == 2, job_dirs
+    return app, job_dirs, proc
+
+
+def test_ddp_sweep_every_rank_trains_its_own_job(default_dir_sweep):
+    app, job_dirs, proc = default_dir_sweep
     ports = set()
-    for job, lr in ((0, 0.1), (1, 0.2)):
-        seen = assert_ranks_agree(sweep / str(job))
-        assert seen[0]["lr"] == lr and seen[0]["job"] == job and seen[0]["tag"] == f"module.lr={lr}"
+    for job, (job_dir, lr) in enumerate(zip(job_dirs, (0.1, 0.2))):
+        seen = assert_ranks_agree(job_dir)
+        assert seen[0]["lr"] == lr and seen[0]["job"] == job and seen[0]["tag"] == job_dir.name
         assert seen[0]["cwd"] == str(app) and seen[0]["original_cwd"] == str(app)
         assert seen[0]["params_held"] == seen[0]["params_total"]  # DDP replicates
         assert seen[0]["weight_sum"] == seen[1]["weight_sum"]  # and keeps replicas equal
         assert seen[0]["strategy"] == "hydra_fsdp.HydraDDP"
         ports.add(seen[1]["master_port"])
         # rank 0's saved config is Hydra's own, untouched; the child's output went to its log
-        assert "_target_: __main__.Tiny" in (sweep / str(job) / ".hydra" / "config.yaml").read_text()
-        assert "GLOBAL_RANK: 1" in (sweep / str(job) / "rank_1.log").read_text()
+        assert "_target_: __main__.Tiny" in (job_dir / ".hydra" / "config.yaml").read_text()
+        assert "GLOBAL_RANK: 1" in (job_dir / "rank_1.log").read_text()
     assert len(ports) == 2, "each job must rendezvous on its own port"
     print(f"2 jobs x 2 ranks, HydraDDP: {proc.seconds:.1f} s")
 
@@ -126,17 +141,11 @@ def test_single_run_without_multirun(app):
     assert_ranks_agree(app / "single")
 
 
-def test_job_dir_full_of_special_characters(app):
-    note = "a=b,[c] $x {y} w\\\\v"
-    ok(
-        sweep_in(
-            app, "hydra.sweep.subdir=${hydra.job.override_dirname}", "module.lr=0.1,0.2", f"+note='{note}'"
+def test_job_dir_full_of_special_characters(default_dir_sweep):
+    for job_dir, lr in zip(default_dir_sweep[1], (0.1, 0.2)):
+        assert all(c in job_dir.name for c in "=,[]${}\\ ") and f"module.lr={lr}" in job_dir.name, (
+            job_dir.name
         )
-    )
-    job_dirs = sorted(p for p in (app / "sweep").iterdir() if p.is_dir())
-    assert len(job_dirs) == 2, job_dirs
-    for job_dir in job_dirs:
-        assert all(c in job_dir.name for c in "=,[]${}\\ "), job_dir.name
         seen = assert_ranks_agree(job_dir)
         assert seen[1]["output_dir"] == str(job_dir)
 
