@@ -365,22 +365,34 @@ def test_load_from_checkpoint_and_torch_load_outside_a_trainer(project):
 
 def test_weights_only_is_honoured(project):
     """Lightning's weights_only (None: torch's default, True since torch 2.6) refuses the pickled
-    net under HydraFSDP as under DDP, at once on every rank; a checkpoint of plain numbers loads."""
-    runs = scripts_at_once(project, {  # the four runs side by side
-        **{trainer: ("eval", [f"hydra.run.dir=refused_{trainer}", f"trainer={trainer}", "model=net",
-                              f"ckpt_path={checkpoint(project, trainer, 'net')}"], {})
-           for trainer in ("fsdp", "fsdp_sharded", "ddp")},
-        "plain": ("eval", ["hydra.run.dir=plain", "trainer=fsdp", "model=tiny",
-                           f"ckpt_path={checkpoint(project, 'fsdp', 'tiny')}"], {}),
-    })  # fmt: skip
-    for trainer in ("fsdp", "fsdp_sharded", "ddp"):
-        proc = runs[trainer]
-        assert proc.returncode != 0
-        assert "Weights only load failed" in proc.text() and "TinyNet" in proc.text(), proc.text()[-3000:]
-        assert proc.seconds < 60
-        assert not records(project / f"refused_{trainer}", "test")
-    ok(runs["plain"])
-    assert_loaded(project / "plain", "test", checkpoint_sum(checkpoint(project, "fsdp", "tiny")), 2)
+    net under HydraFSDP as under DDP, at once on every rank; a checkpoint of plain numbers loads,
+    in the job after the refused ones. One sweep of eval.py, a job each, the app's own user's way."""
+    refused = ("fsdp", "fsdp_sharded", "ddp")
+    cases = {
+        **{
+            f"refused_{trainer}": {
+                **choosing(trainer, "net"),
+                "ckpt_path": str(checkpoint(project, trainer, "net")),
+            }
+            for trainer in refused
+        },
+        "plain": {**choosing("fsdp", "tiny"), "ckpt_path": str(checkpoint(project, "fsdp", "tiny"))},
+    }
+    overrides = case_overrides(project / "weights_only_cases", cases)
+    with nothing_outlives("the sweep of eval.py that loads with weights_only"):
+        proc = script(project, "eval", "hydra.sweep.dir=weights_only", *overrides, env={}, multirun=True)
+    assert proc.returncode != 0  # Hydra raises the first failed job's error when the sweep ends
+    for trainer in refused:
+        job_dir = project / "weights_only" / f"refused_{trainer}"
+        log = job_dir / "eval.log"  # the job's log: the template's task_wrapper logged the error there
+        assert "Weights only load failed" in log.read_text() and "TinyNet" in log.read_text(), proc.text()[
+            -3000:
+        ]
+        assert log.stat().st_mtime - (job_dir / ".hydra" / "config.yaml").stat().st_mtime < 60
+        assert not records(job_dir, "test")
+    assert_loaded(
+        project / "weights_only" / "plain", "test", checkpoint_sum(checkpoint(project, "fsdp", "tiny")), 2
+    )
 
 
 @pytest.mark.gpu
