@@ -30,6 +30,18 @@ FSDP_ON_CPU_REASON = (
 SWEEP_TIMEOUT = 240  # seconds; a 2-job sweep takes about 10 s on 2 cores
 FAULT_BOUND = 60  # seconds within which a failed job must have ended and left nothing running
 
+# Sweeps of each strategy x lr, one sweep for the tests of both strategies: the strategies that this
+# Lightning runs on the CPU (HydraFSDP's tests skip elsewhere, see conftest.py), in Hydra's job order.
+SWEPT = ["ddp", "fsdp"] if FSDP_ON_CPU else ["ddp"]
+SWEPT_LRS = (0.1, 0.2)
+SWEPT_TARGETS = ",".join(f"hydra_fsdp.Hydra{strategy.upper()}" for strategy in SWEPT)  # plain names
+SWEPT_LR_VALUES = ",".join(map(str, SWEPT_LRS))
+
+
+def swept_jobs(strategy):
+    """The jobs of ``strategy`` ("ddp" or "fsdp") in a sweep of SWEPT x SWEPT_LRS: [(job number, lr)]."""
+    return list(enumerate(SWEPT_LRS, start=SWEPT.index(strategy) * len(SWEPT_LRS)))
+
 
 class Run:
     """A command started in its own session, its output going to a file (no pipe to fill up)."""

@@ -13,7 +13,21 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import APPS, FSDP_ON_CPU, SWEEP_TIMEOUT, app_env, assert_ranks_agree, ok, records, run, run_app
+from helpers import (
+    APPS,
+    SWEEP_TIMEOUT,
+    SWEPT,
+    SWEPT_LR_VALUES,
+    SWEPT_LRS,
+    SWEPT_TARGETS,
+    app_env,
+    assert_ranks_agree,
+    ok,
+    records,
+    run,
+    run_app,
+    swept_jobs,
+)
 
 PYTORCH_LIGHTNING = ("pytorch_lightning", "lightning_fabric")
 LIGHTNING = ("lightning", "lightning.pytorch", "lightning.fabric")
@@ -56,10 +70,6 @@ def assert_yaml_job(job_dir, strategy, stages=("fit", "test"), lightning="lightn
 
 # Which packages each run leaves importable: both, or the Trainer's own alone.
 INSTALLED = {"both installed": (), "alone": None}
-# The YAML app's jobs on lightning.pytorch: each strategy (HydraFSDP where Lightning runs it on the
-# CPU; its tests skip elsewhere, see conftest.py) x model.lr, in this order (Hydra's job numbers).
-STRATEGIES = ["HydraDDP", "HydraFSDP"] if FSDP_ON_CPU else ["HydraDDP"]
-LRS = (0.1, 0.2)
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +84,7 @@ def yaml_sweep(tmp_path_factory):
             tmp = tmp_path_factory.mktemp("yaml")
             proj = Path(shutil.copytree(APPS / "yaml_app", tmp / "proj"))
             env = hide(tmp, PYTORCH_LIGHTNING) if installed == "alone" else {}
-            targets = ",".join(f"hydra_fsdp.{strategy}" for strategy in STRATEGIES)
-            overrides = (f"trainer.strategy._target_={targets}", f"model.lr={','.join(map(str, LRS))}")
+            overrides = (f"trainer.strategy._target_={SWEPT_TARGETS}", f"model.lr={SWEPT_LR_VALUES}")
             sweeps[installed] = proj, ok(run_yaml(proj, *overrides, env=env))
         return sweeps[installed]
 
@@ -83,9 +92,8 @@ def yaml_sweep(tmp_path_factory):
 
 
 def yaml_jobs(proj, strategy):
-    """The job dirs of one strategy in the shared YAML sweep, with their lr."""
-    first = STRATEGIES.index(strategy) * len(LRS)
-    return [(proj / "sweep" / str(first + n), lr) for n, lr in enumerate(LRS)]
+    """The job dirs of one strategy ("HydraDDP") in the shared YAML sweep, with their lr."""
+    return [(proj / "sweep" / str(job), lr) for job, lr in swept_jobs(strategy[len("Hydra") :].lower())]
 
 
 @pytest.mark.parametrize("installed", INSTALLED)
@@ -123,7 +131,7 @@ def test_hydra_zen_plain_names_on_either_namespace(app, tmp_path, installed, lig
 
 def test_child_logs_go_to_their_own_file_not_the_console(yaml_sweep):
     proj, proc = yaml_sweep("both installed")
-    console, jobs = proc.text(), len(STRATEGIES) * len(LRS)
+    console, jobs = proc.text(), len(SWEPT) * len(SWEPT_LRS)
     assert console.count("rank 0 of 2: trained") == jobs and "rank 1 of 2" not in console
     assert "GLOBAL_RANK: 1" not in console and "GLOBAL_RANK: 0" in console
     # rank 0's warning is shown (once in the sweep: Python shows a warning once per place, its text

@@ -11,7 +11,17 @@ import sys
 import time
 
 import pytest
-from helpers import FSDP_ON_CPU, SWEEP_TIMEOUT, Run, app_env, assert_ranks_agree, records
+from helpers import (
+    SWEEP_TIMEOUT,
+    SWEPT,
+    SWEPT_LR_VALUES,
+    SWEPT_TARGETS,
+    Run,
+    app_env,
+    assert_ranks_agree,
+    records,
+    swept_jobs,
+)
 
 
 def free_port():
@@ -51,18 +61,12 @@ def torchrun(app_dir, *overrides, nnodes=1, nproc=2, strategy="ddp", timeout=SWE
     return [agent.returncode for agent in agents], output, time.monotonic() - started
 
 
-# Each strategy (HydraFSDP where Lightning runs it on the CPU) x module.lr, in this order (Hydra's job
-# numbers): one sweep of both strategies, on the one process group the engine set up.
-STRATEGIES = ["HydraDDP", "HydraFSDP"] if FSDP_ON_CPU else ["HydraDDP"]
-LRS = (0.1, 0.2)
-
-
 @pytest.mark.parametrize("nnodes, nproc", [(1, 2), (2, 1)], ids=["1 node x 2", "2 nodes x 1"])
 def test_torchrun_sweep(app, nnodes, nproc):
     codes, output, seconds = torchrun(
         app,
-        f"trainer.strategy._target_={','.join(f'hydra_fsdp.{strategy}' for strategy in STRATEGIES)}",
-        f"module.lr={','.join(map(str, LRS))}",
+        f"trainer.strategy._target_={SWEPT_TARGETS}",  # both strategies on the engine's one process group
+        f"module.lr={SWEPT_LR_VALUES}",
         "module.stamp=same-on-every-rank",  # ${now:%f} would differ per process: see the next tests
         f"trainer.num_nodes={nnodes}",
         f"trainer.devices={nproc}",
@@ -71,21 +75,21 @@ def test_torchrun_sweep(app, nnodes, nproc):
     )
     assert codes == [0] * nnodes, output[-6000:]
     engine_env = None
-    jobs = [(strategy, lr) for strategy in STRATEGIES for lr in LRS]
-    for job, (strategy, lr) in enumerate(jobs):
+    jobs = [(job, strategy, lr) for strategy in SWEPT for job, lr in swept_jobs(strategy)]
+    for job, strategy, lr in jobs:
         job_dir = app / "sweep" / str(job)
         seen = assert_ranks_agree(job_dir)  # both ranks, one output dir, one config, world size 2
         assert seen[0]["lr"] == seen[1]["lr"] == lr and seen[1]["job"] == job
-        assert seen[0]["strategy"] == f"hydra_fsdp.{strategy}"
+        assert seen[0]["strategy"] == f"hydra_fsdp.Hydra{strategy.upper()}"
         assert not (job_dir / "rank_1.log").exists(), "under torchrun HydraDDP/HydraFSDP start no process"
-        if strategy == "HydraFSDP":
+        if strategy == "fsdp":
             assert seen[0]["params_held"] + seen[1]["params_held"] == seen[0]["params_total"]
         # the engine's rendezvous is reused job after job, its environment left as it set it
         start = json.loads((job_dir / "started" / "rank0.json").read_text())
         assert start["env"]["WORLD_SIZE"] == "2" and start["env"]["MASTER_PORT"] is not None
         engine_env = engine_env or start["env"]
         assert start["env"] == engine_env
-    print(f"torchrun {nnodes} node(s) x {nproc}, {len(jobs)} jobs of {STRATEGIES}: {seconds:.1f} s")
+    print(f"torchrun {nnodes} node(s) x {nproc}, {len(jobs)} jobs of {SWEPT}: {seconds:.1f} s")
 
 
 def test_torchrun_world_size_mismatch_fails_fast(app):

@@ -19,13 +19,17 @@ import re
 
 import pytest
 from helpers import (
-    FSDP_ON_CPU,
+    SWEPT,
+    SWEPT_LR_VALUES,
+    SWEPT_LRS,
+    SWEPT_TARGETS,
     alive,
     assert_ranks_agree,
     records,
     start_sweep,
     started_pids,
     sweep_in,
+    swept_jobs,
     wait_for,
 )
 from slurm_cluster import SlurmNotInstalled, start_cluster
@@ -104,12 +108,6 @@ def slurm_job_ids(cluster, array_id):
     return ids
 
 
-# Each strategy (HydraFSDP where Lightning runs it on the CPU; its test skips elsewhere, see
-# conftest.py) x module.lr, in this order (Hydra's job numbers): one array job for both tests.
-STRATEGIES = ["ddp", "fsdp"] if FSDP_ON_CPU else ["ddp"]
-LRS = (0.1, 0.2)
-
-
 @pytest.fixture(scope="module")
 def slurm_sweep():
     """``slurm_sweep(app, cluster)``: the sweep of every strategy x lr, 2 tasks a job, run once
@@ -118,10 +116,9 @@ def slurm_sweep():
 
     def sweep(app, cluster):
         if not swept:
-            targets = ",".join(f"hydra_fsdp.Hydra{strategy.upper()}" for strategy in STRATEGIES)
-            proc = sweep_in(app, *launcher(cluster), *APP_UNDER_SUBMITIT, f"trainer.strategy._target_={targets}",
-                            f"module.lr={','.join(map(str, LRS))}", env=cluster.env,
-                            timeout=SLURM_SWEEP_TIMEOUT * len(STRATEGIES))  # fmt: skip
+            proc = sweep_in(app, *launcher(cluster), *APP_UNDER_SUBMITIT, f"trainer.strategy._target_={SWEPT_TARGETS}",
+                            f"module.lr={SWEPT_LR_VALUES}", env=cluster.env,
+                            timeout=SLURM_SWEEP_TIMEOUT * len(SWEPT))  # fmt: skip
             assert proc.returncode == 0, failure_report(proc, app, cluster)
             swept.append((app, proc))
         return swept[0]
@@ -135,10 +132,9 @@ def test_slurm_sweep_two_tasks_per_job(app, cluster, slurm_sweep, strategy):
     arrays = [p.name for p in (app / "sweep" / ".submitit").iterdir() if re.fullmatch(r"\d+", p.name)]
     assert len(arrays) == 1, f"one array job for the sweep, found {arrays}"
     job_ids = slurm_job_ids(cluster, arrays[0])
-    jobs = len(STRATEGIES) * len(LRS)
+    jobs = len(SWEPT) * len(SWEPT_LRS)
     assert sorted(job_ids) == [f"{arrays[0]}_{job}" for job in range(jobs)], job_ids
-    first = STRATEGIES.index(strategy) * len(LRS)
-    for job, lr in enumerate(LRS, start=first):
+    for job, lr in swept_jobs(strategy):
         job_dir = app / "sweep" / str(job)
         seen = assert_ranks_agree(job_dir, world=2)  # ranks 0 and 1, distinct pids, one job
         assert seen[0]["lr"] == lr and seen[0]["job"] == job
@@ -158,7 +154,7 @@ def test_slurm_sweep_two_tasks_per_job(app, cluster, slurm_sweep, strategy):
         if strategy == "fsdp":
             held = [seen[r]["params_held"] for r in (0, 1)]
             assert sum(held) == seen[0]["params_total"] and min(held) > 0, held
-    print(f"SLURM, {jobs} jobs x 2 tasks, {STRATEGIES}: {proc.seconds:.1f} s")
+    print(f"SLURM, {jobs} jobs x 2 tasks, {SWEPT}: {proc.seconds:.1f} s")
 
 
 def test_slurm_fewer_tasks_than_devices_fails_fast(app, cluster):

@@ -13,24 +13,19 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import APPS, FSDP_ON_CPU, app_env, ok, records, run
+from helpers import APPS, SWEPT, SWEPT_LR_VALUES, SWEPT_LRS, app_env, ok, records, run, swept_jobs
 from shared import nothing_outlives
 
 CALLBACKS = ["EarlyStopping", "ModelCheckpoint", "ModelSummary"]
 
 
-# Each trainer config (HydraFSDP where Lightning runs it on the CPU; its test skips elsewhere, see
-# conftest.py) x model.lr, in this order (Hydra's job numbers): one sweep for both tests.
-TRAINERS = ["ddp", "fsdp"] if FSDP_ON_CPU else ["ddp"]
-LRS = (0.1, 0.2)
-
-
 @pytest.fixture(scope="module")
 def template_sweep(tmp_path_factory):
-    """The template project, swept once over every trainer config and lr; and its run."""
+    """The template project, swept once over every trainer config (named as the strategies) and lr;
+    and its run."""
     template = Path(shutil.copytree(APPS / "template", tmp_path_factory.mktemp("template") / "project"))
     command = [sys.executable, "src/train.py", "-m", "hydra.sweep.dir=sweep"]
-    overrides = [f"trainer={','.join(TRAINERS)}", f"model.lr={','.join(map(str, LRS))}"]
+    overrides = [f"trainer={','.join(SWEPT)}", f"model.lr={SWEPT_LR_VALUES}"]
     with nothing_outlives("the template's sweep"):
         proc = run(command + overrides, template, app_env())
     return template, proc
@@ -41,8 +36,7 @@ def test_template_train_py_sweep(template_sweep, trainer):
     template, proc = template_sweep
     ok(proc)
     strategy = f"hydra_fsdp.lightning.Hydra{trainer.upper()}"
-    first = TRAINERS.index(trainer) * len(LRS)
-    for job, lr in enumerate(LRS, start=first):
+    for job, lr in swept_jobs(trainer):
         job_dir = template / "sweep" / str(job)
         fit, tested = records(job_dir, "fit"), records(job_dir, "test")
         assert sorted(fit) == sorted(tested) == [0, 1]
@@ -68,4 +62,4 @@ def test_template_train_py_sweep(template_sweep, trainer):
         rows = list(csv.DictReader((job_dir / "csv" / "version_0" / "metrics.csv").open()))
         assert [row["test/loss"] for row in rows if row.get("test/loss")], rows
         assert not (job_dir / "csv" / "version_1").exists()
-    print(f"template train.py, {len(TRAINERS) * len(LRS)} jobs x 2 ranks, {TRAINERS}: {proc.seconds:.1f} s")
+    print(f"template train.py, {len(SWEPT) * len(SWEPT_LRS)} jobs x 2 ranks, {SWEPT}: {proc.seconds:.1f} s")
