@@ -34,6 +34,7 @@ FAULT_BOUND = 60  # seconds within which a failed job must have ended and left n
 # Lightning runs on the CPU (HydraFSDP's tests skip elsewhere, see conftest.py), in Hydra's job order.
 SWEPT = ["ddp", "fsdp"] if FSDP_ON_CPU else ["ddp"]
 SWEPT_LRS = (0.1, 0.2)
+SWEPT_JOBS = len(SWEPT) * len(SWEPT_LRS)
 SWEPT_TARGETS = ",".join(f"hydra_fsdp.Hydra{strategy.upper()}" for strategy in SWEPT)  # plain names
 SWEPT_LR_VALUES = ",".join(map(str, SWEPT_LRS))
 
@@ -100,6 +101,29 @@ def wait_all(runs, timeout=SWEEP_TIMEOUT):
             started.end()
 
 
+def run_side_by_side(starts, at_once, timeout=SWEEP_TIMEOUT):
+    """Run independent commands ``at_once`` at a time, the next as soon as one ends: ``starts`` are
+    functions that start a Run. Returns their Runs in order, each finished within ``timeout`` of its
+    own start; whatever happens, every one started is ended."""
+    waiting, running, runs = list(starts), [], []
+    try:
+        while waiting or running:
+            if waiting and len(running) < at_once:
+                running.append(waiting.pop(0)())
+                runs.append(running[-1])
+                continue
+            # a finished one is waited for (its time taken), an overdue one fails (and is ended)
+            for started in list(running):
+                if started.proc.poll() is not None or time.monotonic() > started.started + timeout:
+                    started.wait(max(0.0, started.started + timeout - time.monotonic()))
+                    running.remove(started)
+            time.sleep(0.1)
+    finally:
+        for started in runs:
+            started.end()
+    return runs
+
+
 def descendants(pid):
     """Every live process below ``pid``, and every process of its session, from /proc."""
     parent_of, session_of = {}, {}
@@ -145,13 +169,14 @@ def sweep_in(app_dir, *overrides, **kwargs):
     return run_app(app_dir, "hydra.sweep.dir=sweep", *overrides, **kwargs)
 
 
-def start_sweep(app_dir, *overrides, env=None, sigint_ignored=False):
+def start_sweep(app_dir, *overrides, strategy="ddp", env=None, sigint_ignored=False):
     """Start a sweep and return its Run: a session of its own, what a terminal's Ctrl-C reaches.
 
     ``sigint_ignored``: started as a background job of a shell without job control is, SIGINT
     ignored (which exec keeps)."""
     python = [sys.executable] + (["-c", IGNORING_SIGINT, sys.executable] if sigint_ignored else [])
-    return Run([*python, "app.py", "-m", "hydra.sweep.dir=sweep", *overrides], app_dir, app_env(env=env))
+    command = [*python, "app.py", "-m", "hydra.sweep.dir=sweep", *overrides]
+    return Run(command, app_dir, app_env(strategy, env))
 
 
 IGNORING_SIGINT = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); os.execv(sys.argv[1], sys.argv[1:])"

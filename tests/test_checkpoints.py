@@ -64,7 +64,7 @@ def checkpoint_sums(paths):
     files = {
         str(path): path.with_name(path.name + ".consolidated") if path.is_dir() else path for path in paths
     }
-    sharded = sorted(str(path) for path in paths if path.is_dir() and not Path(files[str(path)]).exists())
+    sharded = sorted(str(path) for path in paths if path.is_dir() and not files[str(path)].exists())
     unread = sorted({str(file) for file in files.values()} - set(SUMS))
     if unread:
         proc = subprocess.run([sys.executable, "-c", READ, json.dumps([sharded, unread])], cwd=project_of(unread[0]),

@@ -6,6 +6,7 @@ alone" is checked by hiding the other package from every process of the sweep, c
 fork server included (a ``sitecustomize`` that makes its import fail, as a missing package's does).
 """
 
+import functools
 import os
 import shutil
 import subprocess
@@ -15,19 +16,19 @@ from pathlib import Path
 import pytest
 from helpers import (
     APPS,
-    SWEEP_TIMEOUT,
-    SWEPT,
+    SWEPT_JOBS,
     SWEPT_LR_VALUES,
-    SWEPT_LRS,
     SWEPT_TARGETS,
+    Run,
     app_env,
     assert_ranks_agree,
+    copy_app,
     ok,
     records,
-    run,
-    run_app,
+    run_side_by_side,
     swept_jobs,
 )
+from shared import nothing_outlives
 
 PYTORCH_LIGHTNING = ("pytorch_lightning", "lightning_fabric")
 LIGHTNING = ("lightning", "lightning.pytorch", "lightning.fabric")
@@ -41,16 +42,6 @@ def hide(tmp_path, packages):
         "import sys\n" + "".join(f"sys.modules[{name!r}] = None\n" for name in packages)
     )
     return {"PYTHONPATH": str(site)}
-
-
-@pytest.fixture
-def yaml_app(tmp_path):
-    return Path(shutil.copytree(APPS / "yaml_app", tmp_path / "proj"))
-
-
-def run_yaml(proj, *overrides, env=None, timeout=SWEEP_TIMEOUT):
-    command = [sys.executable, "train.py", "-m", "hydra.sweep.dir=sweep", *overrides]
-    return run(command, proj, app_env(env=env), timeout)
 
 
 def assert_yaml_job(job_dir, strategy, stages=("fit", "test"), lightning="lightning.pytorch"):
@@ -69,75 +60,93 @@ def assert_yaml_job(job_dir, strategy, stages=("fit", "test"), lightning="lightn
 
 
 # Which packages each run leaves importable: both, or the Trainer's own alone.
-INSTALLED = {"both installed": (), "alone": None}
+INSTALLED = ("both installed", "alone")
+# Each namespace, and the other's packages: those hidden where it is installed alone.
+NAMESPACES = {"lightning.pytorch": PYTORCH_LIGHTNING, "pytorch_lightning": LIGHTNING}
+# The overrides of each app's sweep on each namespace: the YAML app's on lightning.pytorch runs every
+# strategy x lr, fit then test, and serves the logs' test too.
+OVERRIDES = {
+    ("yaml", "lightning.pytorch"): (
+        f"trainer.strategy._target_={SWEPT_TARGETS}",
+        f"model.lr={SWEPT_LR_VALUES}",
+    ),
+    ("yaml", "pytorch_lightning"): ("trainer._target_=pytorch_lightning.Trainer", "test=false"),
+    ("zen", "lightning.pytorch"): ("module.lr=0.1",),  # builds(HydraDDP)
+    ("zen", "pytorch_lightning"): ("module.lr=0.1",),
+}
 
 
 @pytest.fixture(scope="module")
-def yaml_sweep(tmp_path_factory):
-    """``yaml_sweep(installed)``: the YAML app's directory and its one sweep of every strategy x lr on
-    lightning.pytorch, fit then test, with ``installed`` packages importable; shared by the tests
-    that read it (one sweep where each strategy had one, and the logs one more)."""
-    sweeps = {}
-
-    def sweep(installed):
-        if installed not in sweeps:
-            tmp = tmp_path_factory.mktemp("yaml")
-            proj = Path(shutil.copytree(APPS / "yaml_app", tmp / "proj"))
-            env = hide(tmp, PYTORCH_LIGHTNING) if installed == "alone" else {}
-            overrides = (f"trainer.strategy._target_={SWEPT_TARGETS}", f"model.lr={SWEPT_LR_VALUES}")
-            sweeps[installed] = proj, ok(run_yaml(proj, *overrides, env=env))
-        return sweeps[installed]
-
-    return sweep
+def sweeps(tmp_path_factory):
+    """Every sweep of this module, of the YAML app and the hydra-zen one, on either namespace, with
+    both packages installed or the Trainer's alone, run two at a time (they are independent, and each
+    spends much of its time in one process's imports): {(app, installed, lightning): (app dir, run)}."""
+    starts, keys = [], []
+    for (app, lightning), overrides in OVERRIDES.items():
+        for installed in INSTALLED:
+            # (named for the app: Lightning formats a warning from any path that says "lightning" as its own)
+            tmp = tmp_path_factory.mktemp(app)
+            hidden = hide(tmp, NAMESPACES[lightning]) if installed == "alone" else {}
+            if app == "yaml":
+                directory, script = Path(shutil.copytree(APPS / "yaml_app", tmp / "proj")), "train.py"
+            else:
+                directory, script = copy_app(tmp / "app"), "app.py"
+            command = [sys.executable, script, "-m", "hydra.sweep.dir=sweep", *overrides]
+            env = app_env(env={"APP_LIGHTNING": lightning, **hidden})
+            starts.append(functools.partial(Run, command, directory, env))
+            keys.append(((app, installed, lightning), directory))
+    with nothing_outlives("this module's sweeps"):
+        runs = run_side_by_side(starts, at_once=2)
+    return {key: (directory, run) for (key, directory), run in zip(keys, runs)}
 
 
 def yaml_jobs(proj, strategy):
-    """The job dirs of one strategy ("HydraDDP") in the shared YAML sweep, with their lr."""
+    """The job dirs of one strategy ("HydraDDP") in the YAML app's sweep, with their lr."""
     return [(proj / "sweep" / str(job), lr) for job, lr in swept_jobs(strategy[len("Hydra") :].lower())]
 
 
 @pytest.mark.parametrize("installed", INSTALLED)
 @pytest.mark.parametrize("strategy", ["HydraDDP", "HydraFSDP"])
-def test_yaml_plain_names_on_lightning_pytorch(yaml_sweep, installed, strategy):
-    proj, _ = yaml_sweep(installed)
+def test_yaml_plain_names_on_lightning_pytorch(sweeps, installed, strategy):
+    proj, proc = sweeps["yaml", installed, "lightning.pytorch"]
+    ok(proc)
     for job_dir, lr in yaml_jobs(proj, strategy):
         assert_yaml_job(job_dir, f"hydra_fsdp.lightning.{strategy}")
         assert records(job_dir)[1]["lr"] == lr
 
 
 @pytest.mark.parametrize("installed", INSTALLED)
-def test_yaml_plain_names_on_pytorch_lightning(yaml_app, tmp_path, installed):
-    env = {
-        "APP_LIGHTNING": "pytorch_lightning",
-        **(hide(tmp_path, LIGHTNING) if installed == "alone" else {}),
-    }
-    ok(run_yaml(yaml_app, "trainer._target_=pytorch_lightning.Trainer", "test=false", env=env))
-    job = yaml_app / "sweep" / "0"
+def test_yaml_plain_names_on_pytorch_lightning(sweeps, installed):
+    proj, proc = sweeps["yaml", installed, "pytorch_lightning"]
+    ok(proc)
     assert_yaml_job(
-        job, "hydra_fsdp.pytorch_lightning.HydraDDP", stages=("fit",), lightning="pytorch_lightning"
+        proj / "sweep" / "0",
+        "hydra_fsdp.pytorch_lightning.HydraDDP",
+        stages=("fit",),
+        lightning="pytorch_lightning",
     )
 
 
 @pytest.mark.parametrize("installed", INSTALLED)
-@pytest.mark.parametrize("lightning", ["lightning.pytorch", "pytorch_lightning"])
-def test_hydra_zen_plain_names_on_either_namespace(app, tmp_path, installed, lightning):
-    other = PYTORCH_LIGHTNING if lightning == "lightning.pytorch" else LIGHTNING
-    env = {"APP_LIGHTNING": lightning, **(hide(tmp_path, other) if installed == "alone" else {})}
-    ok(run_app(app, "hydra.sweep.dir=sweep", "module.lr=0.1", env=env))  # builds(HydraDDP)
+@pytest.mark.parametrize("lightning", NAMESPACES)
+def test_hydra_zen_plain_names_on_either_namespace(sweeps, installed, lightning):
+    app, proc = sweeps["zen", installed, lightning]
+    ok(proc)
     seen = assert_ranks_agree(app / "sweep" / "0")
     for rank in seen.values():
         assert rank["strategy_namespace"] == rank["trainer_namespace"] == lightning
 
 
-def test_child_logs_go_to_their_own_file_not_the_console(yaml_sweep):
-    proj, proc = yaml_sweep("both installed")
-    console, jobs = proc.text(), len(SWEPT) * len(SWEPT_LRS)
-    assert console.count("rank 0 of 2: trained") == jobs and "rank 1 of 2" not in console
+def test_child_logs_go_to_their_own_file_not_the_console(sweeps):
+    proj, proc = sweeps["yaml", "both installed", "lightning.pytorch"]
+    ok(proc)
+    console = proc.text()
+    assert console.count("rank 0 of 2: trained") == SWEPT_JOBS and "rank 1 of 2" not in console
     assert "GLOBAL_RANK: 1" not in console and "GLOBAL_RANK: 0" in console
     # rank 0's warning is shown (once in the sweep: Python shows a warning once per place, its text
     # and its source line); each child's copy is in the child's log
     assert console.count("a warning that every rank raises") == 2
-    for job in map(str, range(jobs)):
+    for job in map(str, range(SWEPT_JOBS)):
         job_dir = proj / "sweep" / job
         child_log = (job_dir / "rank_1.log").read_text()
         assert "rank 1 of 2: trained" in child_log and "a warning that every rank raises" in child_log
