@@ -1,5 +1,6 @@
-"""Faults and soak: a failing rank fails its job, never the sweep; nothing hangs, nothing is left."""
+"""Faults: a failing rank fails its job, never the sweep; nothing hangs, nothing is left."""
 
+import json
 import os
 import signal
 import time
@@ -18,6 +19,7 @@ from helpers import (
     start_sweep,
     started_pids,
     sweep_in,
+    wait_all,
     wait_for,
 )
 from shared import case_overrides, nothing_outlives
@@ -54,9 +56,11 @@ if not FSDP_ON_CPU:  # Lightning refuses FSDP on the CPU: the FSDP tests skip (c
 FIRST = next(iter(FAILING))
 
 
-@pytest.fixture(scope="module")
-def failing_sweep(tmp_path_factory):
-    """The app dir and the run of the one sweep of every FAILING case, each followed by its healthy one."""
+@pytest.fixture(scope="module", autouse=True)
+def failing_sweep_started(tmp_path_factory):
+    """The one sweep of every FAILING case, each followed by its healthy one, started as the module
+    starts: it spends most of its time waiting out timeouts, in which the module's other tests run
+    (the tests that read it come last, see failing_sweep). Its app dir and Run."""
     app = copy_app(tmp_path_factory.mktemp("failing"))
     cases = {}
     for case, settings in FAILING.items():
@@ -64,8 +68,17 @@ def failing_sweep(tmp_path_factory):
         cases[f"{case}_next"] = {key: value for key, value in settings.items() if key.startswith("trainer.")}
     record_errors = "+hydra.callbacks.record_error._target_=__main__.RecordError"
     with nothing_outlives("the failing sweep"):
-        proc = sweep_in(app, *case_overrides(app / "conf", cases), record_errors)
-    return app, proc
+        sweep = start_sweep(app, *case_overrides(app / "conf", cases), record_errors)
+        yield app, sweep
+        sweep.end()  # where no test waited for it
+
+
+@pytest.fixture(scope="module")
+def failing_sweep(failing_sweep_started):
+    """The failing sweep's app dir and run, once it ended (within SWEEP_TIMEOUT of its start)."""
+    app, sweep = failing_sweep_started
+    wait_all([sweep])
+    return app, sweep
 
 
 def error_of(failing_sweep, case):
@@ -91,6 +104,94 @@ def assert_failed_then_healthy(failing_sweep, case, failed_rank, expect_in_error
         error=error_of(failing_sweep, case),
         first_of_sweep=case == FIRST,
     )
+
+
+# Imported at start-up by every Python process given this directory in PYTHONPATH: it makes the
+# sweep's first fork server hang before it imports anything, as on a stuck file system.
+HANG_FIRST_FORK_SERVER = """
+import os, pathlib, time
+if "HYDRA_FSDP_FORK_SERVER" in os.environ:
+    hung = pathlib.Path(__file__).with_name("hung")
+    if not hung.exists():
+        hung.touch()
+        time.sleep(3600)
+"""
+
+
+def test_fork_server_hanging_in_its_imports_is_bounded_by_rank_timeout(app, tmp_path):
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(HANG_FIRST_FORK_SERVER)
+    # job 1's fresh server gets 60 s: its imports, on a machine busy with other tests, may take 8
+    proc = sweep_in(app, "trainer.strategy.rank_timeout=8,60", env={"PYTHONPATH": str(hook)})
+    assert (hook / "hung").exists(), "the first fork server ran the hook"
+    assert_failed_job_then_healthy_job(
+        app,
+        proc,
+        1,
+        expect_in_error=["hydra_fsdp's fork server (pid", "started none within 8 s and was ended"],
+    )
+
+
+def stop(sweep, how):
+    if how == "SIGINT to its process group":  # what Ctrl-C in a terminal does
+        os.killpg(sweep.pid, signal.SIGINT)
+    else:
+        sweep.proc.send_signal(signal.SIGTERM if how.startswith("SIGTERM") else signal.SIGKILL)
+
+
+@pytest.mark.parametrize(
+    "how", ["SIGTERM to the sweep alone", "SIGINT to its process group", "SIGKILL to the sweep"]
+)
+@pytest.mark.parametrize("while_", ["training", "blocked on a hung child"])
+def test_stopping_the_sweep_ends_every_rank_and_the_fork_server(app, how, while_):
+    job = app / "sweep" / "0"
+    if while_ == "training":
+        # 4 steps of 2 s: still training when the signal comes, as soon as both ranks began a step
+        sweep = start_sweep(app, "module.lr=0.1,0.2", env={"APP_SLOW_STEPS": "2"})
+        into = [job / "steps" / "rank0_0", job / "steps" / "rank1_0"], 0.5
+    else:  # rank 0 waits in a collective for rank 1, which never comes: no signal handler can run
+        sweep = start_sweep(app, "module.lr=0.1,0.2", "module.fail_rank=1", "module.fail_how=train_hang")
+        into = [job / "steps" / "rank0_2", job / "steps" / "rank1_2"], 1  # rank 1 hangs in its step 2
+    try:
+        wait_for(lambda: len(started_pids(job)) == 2, SWEEP_TIMEOUT, "both ranks of job 0 to start")
+        wait_for(lambda: all(step.exists() for step in into[0]), SWEEP_TIMEOUT, f"{into[0]} to begin")
+        time.sleep(into[1])  # into the step, or into rank 0's wait on the hung rank
+        stopped = time.monotonic()
+        stop(sweep, how)
+        sweep.wait(timeout=10 if how != "SIGKILL to the sweep" else FAULT_BOUND)
+        took = time.monotonic() - stopped
+    finally:
+        sweep.end()
+    assert sweep.returncode != 0, sweep.text()[-6000:]
+    pids = started_pids(job)
+    wait_for(lambda: not any(alive(pid) for pid in pids.values()), 10, f"every rank of job 0 {pids} to end")
+    server = json.loads((job / "started" / "rank1.json").read_text())["ppid"]  # it forked rank 1
+    wait_for(lambda: not alive(server), 10, f"the fork server (pid {server}) to end with the sweep")
+    assert not (app / "sweep" / "1").exists(), (
+        f"a stopped sweep must not start its next job:\n{sweep.text()[-8000:]}"
+    )
+    print(
+        f"{how}, {while_}: the sweep exited {sweep.returncode} {took:.1f} s after the signal, rank 1 with it"
+    )
+
+
+def test_a_sweep_that_ignores_sigint_ignores_it_on_every_rank(app):
+    # a fresh child would inherit rank 0's ignored SIGINT; a forked one must not die of it either
+    sweep = start_sweep(app, "module.lr=0.1,0.2", env={"APP_SLOW_STEPS": "0.5"}, sigint_ignored=True)
+    try:
+        wait_for(
+            lambda: len(started_pids(app / "sweep" / "0")) == 2, SWEEP_TIMEOUT, "both ranks of job 0 to start"
+        )
+        os.killpg(sweep.pid, signal.SIGINT)
+        ok(sweep.wait(timeout=SWEEP_TIMEOUT))
+    finally:
+        sweep.end()
+    for job in ("0", "1"):
+        assert_ranks_agree(app / "sweep" / job)
+
+
+# --------------------------------------------------------------------------- the failing sweep's tests
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -178,120 +279,3 @@ def test_ranks_about_to_run_different_things_fail_their_job_fast(failing_sweep, 
     started = [(app / "sweep" / job / "started" / "rank0.json").stat().st_mtime for job in jobs]
     assert started[1] - started[0] < 30, f"the mismatched job took {started[1] - started[0]:.1f} s to fail"
     print(f"{strategy}: the mismatched job failed within {started[1] - started[0]:.1f} s")
-
-
-# Imported at start-up by every Python process given this directory in PYTHONPATH: it makes the
-# sweep's first fork server hang before it imports anything, as on a stuck file system.
-HANG_FIRST_FORK_SERVER = """
-import os, pathlib, time
-if "HYDRA_FSDP_FORK_SERVER" in os.environ:
-    hung = pathlib.Path(__file__).with_name("hung")
-    if not hung.exists():
-        hung.touch()
-        time.sleep(3600)
-"""
-
-
-def test_fork_server_hanging_in_its_imports_is_bounded_by_rank_timeout(app, tmp_path):
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(HANG_FIRST_FORK_SERVER)
-    # job 1's fresh server gets 60 s: its imports, on a machine busy with other tests, may take 8
-    proc = sweep_in(app, "trainer.strategy.rank_timeout=8,60", env={"PYTHONPATH": str(hook)})
-    assert (hook / "hung").exists(), "the first fork server ran the hook"
-    assert_failed_job_then_healthy_job(
-        app,
-        proc,
-        1,
-        expect_in_error=["hydra_fsdp's fork server (pid", "started none within 8 s and was ended"],
-    )
-
-
-def stop(sweep, how):
-    if how == "SIGINT to its process group":  # what Ctrl-C in a terminal does
-        os.killpg(sweep.pid, signal.SIGINT)
-    else:
-        sweep.proc.send_signal(signal.SIGTERM if how.startswith("SIGTERM") else signal.SIGKILL)
-
-
-@pytest.mark.parametrize(
-    "how", ["SIGTERM to the sweep alone", "SIGINT to its process group", "SIGKILL to the sweep"]
-)
-@pytest.mark.parametrize("while_", ["training", "blocked on a hung child"])
-def test_stopping_the_sweep_ends_every_rank(app, how, while_):
-    job = app / "sweep" / "0"
-    if while_ == "training":
-        # 4 steps of 2 s: still training when the signal comes, as soon as both ranks began a step
-        sweep = start_sweep(app, "module.lr=0.1,0.2", env={"APP_SLOW_STEPS": "2"})
-        into = [job / "steps" / "rank0_0", job / "steps" / "rank1_0"], 0.5
-    else:  # rank 0 waits in a collective for rank 1, which never comes: no signal handler can run
-        sweep = start_sweep(app, "module.lr=0.1,0.2", "module.fail_rank=1", "module.fail_how=train_hang")
-        into = [job / "steps" / "rank0_2", job / "steps" / "rank1_2"], 1  # rank 1 hangs in its step 2
-    try:
-        wait_for(lambda: len(started_pids(job)) == 2, SWEEP_TIMEOUT, "both ranks of job 0 to start")
-        wait_for(lambda: all(step.exists() for step in into[0]), SWEEP_TIMEOUT, f"{into[0]} to begin")
-        time.sleep(into[1])  # into the step, or into rank 0's wait on the hung rank
-        stopped = time.monotonic()
-        stop(sweep, how)
-        sweep.wait(timeout=10 if how != "SIGKILL to the sweep" else FAULT_BOUND)
-        took = time.monotonic() - stopped
-    finally:
-        sweep.end()
-    assert sweep.returncode != 0, sweep.text()[-6000:]
-    pids = started_pids(job)
-    wait_for(lambda: not any(alive(pid) for pid in pids.values()), 10, f"every rank of job 0 {pids} to end")
-    assert not (app / "sweep" / "1").exists(), (
-        f"a stopped sweep must not start its next job:\n{sweep.text()[-8000:]}"
-    )
-    print(
-        f"{how}, {while_}: the sweep exited {sweep.returncode} {took:.1f} s after the signal, rank 1 with it"
-    )
-
-
-def test_a_sweep_that_ignores_sigint_ignores_it_on_every_rank(app):
-    # a fresh child would inherit rank 0's ignored SIGINT; a forked one must not die of it either
-    sweep = start_sweep(app, "module.lr=0.1,0.2", env={"APP_SLOW_STEPS": "0.5"}, sigint_ignored=True)
-    try:
-        wait_for(
-            lambda: len(started_pids(app / "sweep" / "0")) == 2, SWEEP_TIMEOUT, "both ranks of job 0 to start"
-        )
-        os.killpg(sweep.pid, signal.SIGINT)
-        ok(sweep.wait(timeout=SWEEP_TIMEOUT))
-    finally:
-        sweep.end()
-    for job in ("0", "1"):
-        assert_ranks_agree(app / "sweep" / job)
-
-
-# --------------------------------------------------------------------------- soak
-
-
-@pytest.mark.slow
-def test_soak_sixteen_jobs(app):
-    lrs = ",".join(str(i / 100) for i in range(1, 17))
-    proc = ok(sweep_in(app, f"module.lr={lrs}", timeout=900))
-    ports = set()
-    for job in range(16):
-        seen = assert_ranks_agree(app / "sweep" / str(job))
-        assert seen[0]["lr"] == (job + 1) / 100 and seen[1]["job"] == job
-        ports.add(seen[1]["master_port"])
-        assert all(not alive(pid) for pid in started_pids(app / "sweep" / str(job)).values())
-    assert len(ports) == 16
-    print(f"16 jobs x 2 ranks: {proc.seconds:.1f} s")
-
-
-@pytest.mark.slow
-def test_soak_two_sweeps_at_once_on_one_machine(tmp_path):
-    apps = [copy_app(tmp_path / name) for name in ("a", "b")]
-    lrs = ",".join(str(i / 100) for i in range(1, 9))
-    started = time.monotonic()
-    sweeps = [start_sweep(app_dir, f"module.lr={lrs}") for app_dir in apps]
-    for sweep in sweeps:
-        ok(sweep.wait(timeout=900))
-    ports = set()
-    for app_dir in apps:
-        for job in range(8):
-            seen = assert_ranks_agree(app_dir / "sweep" / str(job))
-            ports.add(seen[1]["master_port"])
-    assert len(ports) == 16, "no two jobs of the two sweeps may share a port"
-    print(f"2 concurrent sweeps of 8 jobs x 2 ranks: {time.monotonic() - started:.1f} s")

@@ -1,8 +1,10 @@
-"""End to end: real sweeps with real child processes on CPU; assert what every rank saw."""
+"""End to end: real sweeps with real child processes on CPU; assert what every rank saw. At the end, the
+soaks (slow), which repeat two of these sweeps at length."""
 
 import json
 import os
 import pickle
+import time
 from pathlib import Path
 
 import pytest
@@ -10,14 +12,17 @@ import torch
 from helpers import (
     FSDP_ON_CPU,
     LIGHTNING,
+    alive,
     assert_ranks_agree,
     copy_app,
     ok,
     records,
     run_app,
     start_sweep,
+    started_pids,
     sweep_in,
     wait_all,
+    wait_for,
 )
 from shared import case_overrides, nothing_outlives
 
@@ -101,27 +106,38 @@ def test_two_sweeps_at_once_share_no_port(shared_sweep):
 
 
 NOTE = "a=b,[c] $x {y} w\\\\v"  # in the job dirs' names: the job's overrides name its subdir
+DEFAULT_DIR_LRS = (0.1, 0.2, 0.3)  # the job dirs' order too: their names differ there
+PER_JOB_ENV = (
+    "+hydra.job.env_set.JOB_TAG=job_${hydra:job.num}",
+    "+hydra.job.env_set.OMP_NUM_THREADS='${plus:${hydra:job.num},1}'",
+)
 
 
 @pytest.fixture(scope="module")
 def default_dir_sweep(tmp_path_factory):
     """One HydraDDP sweep into Hydra's default timestamped sweep dir, each job's subdir named by its
-    overrides, special characters among them: the app dir, the sweep dir, its job dirs (by lr) and run."""
+    overrides, special characters among them, an environment of its own set for each job: the app
+    dir, the sweep dir, its job dirs (by lr) and run."""
     app = copy_app(tmp_path_factory.mktemp("default_dir"))
-    overrides = ("hydra.sweep.subdir=${hydra.job.override_dirname}", "module.lr=0.1,0.2", f"+note='{NOTE}'")
+    overrides = (
+        "hydra.sweep.subdir=${hydra.job.override_dirname}",
+        f"module.lr={','.join(map(str, DEFAULT_DIR_LRS))}",
+        f"+note='{NOTE}'",
+        *PER_JOB_ENV,
+    )
     with nothing_outlives("the sweep into Hydra's default dirs"):
         proc = ok(run_app(app, *overrides))
     sweep_dirs = [p for p in (app / "multirun").glob("*/*") if p.is_dir()]
     assert len(sweep_dirs) == 1, f"expected one sweep dir, found {sweep_dirs}"
-    job_dirs = sorted(p for p in sweep_dirs[0].iterdir() if p.is_dir())  # by lr: the names differ there
-    assert len(job_dirs) == 2, job_dirs
+    job_dirs = sorted(p for p in sweep_dirs[0].iterdir() if p.is_dir())
+    assert len(job_dirs) == len(DEFAULT_DIR_LRS), job_dirs
     return app, job_dirs, proc
 
 
 def test_ddp_sweep_every_rank_trains_its_own_job(default_dir_sweep):
     app, job_dirs, proc = default_dir_sweep
     ports = set()
-    for job, (job_dir, lr) in enumerate(zip(job_dirs, (0.1, 0.2))):
+    for job, (job_dir, lr) in enumerate(zip(job_dirs, DEFAULT_DIR_LRS)):
         seen = assert_ranks_agree(job_dir)
         assert seen[0]["lr"] == lr and seen[0]["job"] == job and seen[0]["tag"] == job_dir.name
         assert seen[0]["cwd"] == str(app) and seen[0]["original_cwd"] == str(app)
@@ -132,8 +148,30 @@ def test_ddp_sweep_every_rank_trains_its_own_job(default_dir_sweep):
         # rank 0's saved config is Hydra's own, untouched; the child's output went to its log
         assert "_target_: __main__.Tiny" in (job_dir / ".hydra" / "config.yaml").read_text()
         assert "GLOBAL_RANK: 1" in (job_dir / "rank_1.log").read_text()
-    assert len(ports) == 2, "each job must rendezvous on its own port"
-    print(f"2 jobs x 2 ranks, HydraDDP: {proc.seconds:.1f} s")
+    assert len(ports) == len(job_dirs), "each job must rendezvous on its own port"
+    print(f"{len(job_dirs)} jobs x 2 ranks, HydraDDP: {proc.seconds:.1f} s")
+
+
+def test_every_job_gets_fresh_child_processes(default_dir_sweep):
+    """Forked by one fork server per sweep (see _ForkServer), a child rank still has what a fresh
+    process has of its own: a new pid per rank per job, module state at its initial value, the job's
+    environment in force (``hydra.job.env_set``, ``OMP_NUM_THREADS`` too), its own random numbers,
+    Lightning's rank. (That the server ends with the sweep, however it ends: tests/test_faults.py.)"""
+    job_dirs = default_dir_sweep[1]
+    rank0 = [records(job_dir)[0] for job_dir in job_dirs]
+    child = [records(job_dir)[1] for job_dir in job_dirs]
+    assert len({c["pid"] for c in child}) == 3, "a new process for every job"
+    servers = {c["ppid"] for c in child}
+    assert len(servers) == 1 and servers != {rank0[0]["pid"]}, "forked by one fork server, not by rank 0"
+    assert [c["jobs_run_here"] for c in child] == [1, 1, 1], "module state starts afresh in every job"
+    assert [r["jobs_run_here"] for r in rank0] == [1, 2, 3]  # rank 0 is the sweep's own process
+    assert [c["job_tag"] for c in child] == ["job_0", "job_1", "job_2"]
+    assert [c["threads"] for c in child] == [1, 2, 3], "the job's OMP_NUM_THREADS in force"
+    assert len({c["numpy_draw"] for c in child}) == 3, "its own random numbers"
+    assert [c["rank_zero_only_rank"] for c in child] == [1, 1, 1] and rank0[0]["rank_zero_only_rank"] == 0
+    for job in range(3):
+        assert rank0[job]["weight_sum"] == child[job]["weight_sum"]
+    wait_for(lambda: not alive(servers.pop()), 10, "the fork server to end with the sweep")
 
 
 def test_single_run_without_multirun(app):
@@ -142,7 +180,7 @@ def test_single_run_without_multirun(app):
 
 
 def test_job_dir_full_of_special_characters(default_dir_sweep):
-    for job_dir, lr in zip(default_dir_sweep[1], (0.1, 0.2)):
+    for job_dir, lr in zip(default_dir_sweep[1], DEFAULT_DIR_LRS):
         assert all(c in job_dir.name for c in "=,[]${}\\ ") and f"module.lr={lr}" in job_dir.name, (
             job_dir.name
         )
@@ -332,3 +370,37 @@ def test_two_gpu_sweep(app, strategy):
         if strategy == "fsdp":
             assert sum(r["params_held"] for r in seen.values()) == seen[0]["params_total"]
         assert_ranks_agree(app / "sweep" / job, "test")
+
+
+# --------------------------------------------------------------------------- soak
+
+
+@pytest.mark.slow
+def test_soak_sixteen_jobs(app):
+    lrs = ",".join(str(i / 100) for i in range(1, 17))
+    proc = ok(sweep_in(app, f"module.lr={lrs}", timeout=900))
+    ports = set()
+    for job in range(16):
+        seen = assert_ranks_agree(app / "sweep" / str(job))
+        assert seen[0]["lr"] == (job + 1) / 100 and seen[1]["job"] == job
+        ports.add(seen[1]["master_port"])
+        assert all(not alive(pid) for pid in started_pids(app / "sweep" / str(job)).values())
+    assert len(ports) == 16
+    print(f"16 jobs x 2 ranks: {proc.seconds:.1f} s")
+
+
+@pytest.mark.slow
+def test_soak_two_sweeps_at_once_on_one_machine(tmp_path):
+    apps = [copy_app(tmp_path / name) for name in ("a", "b")]
+    lrs = ",".join(str(i / 100) for i in range(1, 9))
+    started = time.monotonic()
+    sweeps = [start_sweep(app_dir, f"module.lr={lrs}") for app_dir in apps]
+    for sweep in sweeps:
+        ok(sweep.wait(timeout=900))
+    ports = set()
+    for app_dir in apps:
+        for job in range(8):
+            seen = assert_ranks_agree(app_dir / "sweep" / str(job))
+            ports.add(seen[1]["master_port"])
+    assert len(ports) == 16, "no two jobs of the two sweeps may share a port"
+    print(f"2 concurrent sweeps of 8 jobs x 2 ranks: {time.monotonic() - started:.1f} s")
