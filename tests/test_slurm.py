@@ -16,22 +16,26 @@ Two things the app needs under submitit, whatever the strategy:
 import importlib.util
 import os
 import re
+import time
 
 import pytest
 from helpers import (
     SWEPT,
+    SWEPT_JOBS,
     SWEPT_LR_VALUES,
-    SWEPT_LRS,
     SWEPT_TARGETS,
     alive,
     assert_ranks_agree,
+    copy_app,
     records,
     start_sweep,
     started_pids,
     sweep_in,
     swept_jobs,
+    wait_all,
     wait_for,
 )
+from shared import nothing_outlives
 from slurm_cluster import SlurmNotInstalled, start_cluster
 
 SLURM_SWEEP_TIMEOUT = 240  # seconds; 2 jobs, one after the other on 2 cores, take about 30 s
@@ -98,6 +102,11 @@ def task_log(app, array_task, task):
     return "".join((folder / f"{array_task}_{task}_log.{stream}").read_text() for stream in ("out", "err"))
 
 
+def arrays(app):
+    """The ids of the array jobs the sweep in ``app`` submitted (one per sweep)."""
+    return [p.name for p in (app / "sweep" / ".submitit").iterdir() if re.fullmatch(r"\d+", p.name)]
+
+
 def slurm_job_ids(cluster, array_id):
     """SLURM_JOB_ID of every task of an array: {"<array id>_<index>": job id}."""
     ids = {}
@@ -129,11 +138,10 @@ def slurm_sweep():
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_slurm_sweep_two_tasks_per_job(app, cluster, slurm_sweep, strategy):
     app, proc = slurm_sweep(app, cluster)
-    arrays = [p.name for p in (app / "sweep" / ".submitit").iterdir() if re.fullmatch(r"\d+", p.name)]
-    assert len(arrays) == 1, f"one array job for the sweep, found {arrays}"
-    job_ids = slurm_job_ids(cluster, arrays[0])
-    jobs = len(SWEPT) * len(SWEPT_LRS)
-    assert sorted(job_ids) == [f"{arrays[0]}_{job}" for job in range(jobs)], job_ids
+    array_id, *others = arrays(app)
+    assert not others, f"one array job for the sweep, found {[array_id, *others]}"
+    job_ids = slurm_job_ids(cluster, array_id)
+    assert sorted(job_ids) == [f"{array_id}_{job}" for job in range(SWEPT_JOBS)], job_ids
     for job, lr in swept_jobs(strategy):
         job_dir = app / "sweep" / str(job)
         seen = assert_ranks_agree(job_dir, world=2)  # ranks 0 and 1, distinct pids, one job
@@ -143,7 +151,7 @@ def test_slurm_sweep_two_tasks_per_job(app, cluster, slurm_sweep, strategy):
         assert not (job_dir / "rank_1.log").exists()
         assert not (job_dir / ".hydra" / "rank_launch.pickle").exists()
         # each SLURM task of this job was one rank
-        array_task = f"{arrays[0]}_{job}"
+        array_task = f"{array_id}_{job}"
         for rank in (0, 1):
             log = task_log(app, array_task, rank)
             assert f"global_rank={rank}(2)" in log, log
@@ -154,7 +162,7 @@ def test_slurm_sweep_two_tasks_per_job(app, cluster, slurm_sweep, strategy):
         if strategy == "fsdp":
             held = [seen[r]["params_held"] for r in (0, 1)]
             assert sum(held) == seen[0]["params_total"] and min(held) > 0, held
-    print(f"SLURM, {jobs} jobs x 2 tasks, {SWEPT}: {proc.seconds:.1f} s")
+    print(f"SLURM, {SWEPT_JOBS} jobs x 2 tasks, {SWEPT}: {proc.seconds:.1f} s")
 
 
 def test_slurm_fewer_tasks_than_devices_fails_fast(app, cluster):
@@ -198,27 +206,34 @@ def running(job_dir):
         return False
 
 
-def test_slurm_cancelled_job_fails_the_sweep_instead_of_hanging_it(app, cluster):
-    """A job SLURM ends (scancel, a node lost) writes no result: submitit must learn its state.
+@pytest.fixture(scope="module", autouse=True)
+def cancelled_sweep(cluster, tmp_path_factory):
+    """A sweep whose job is cancelled (scancel, as a user or a lost node would) once it runs, as the
+    module starts: submitit then waits for a result that never comes (15 s) while the module's other
+    tests run. (Its job's processes are up before they start: SLURM's step daemons, orphans, become
+    pytest's children, which each test's leak check would take for its own.) The app dir, the
+    sweep's Run and when the job was cancelled.
 
-    It asks sacct, which needs an accounting database; the cluster's stand-in answers from
-    scontrol. Under SLURM the app reads LOCAL_RANK unset, so fail_rank=0 hangs both tasks.
+    Under SLURM the app reads LOCAL_RANK unset, so fail_rank=0 hangs both tasks until the cancel.
     """
-    sweep = start_sweep(
-        app,
-        *launcher(cluster),
-        *APP_UNDER_SUBMITIT,
-        "module.fail_rank=0",
-        "module.fail_how=train_hang",
-        env=cluster.env,
-    )
-    try:
-        wait_for(lambda: running(app / "sweep" / "0"), SLURM_SWEEP_TIMEOUT, "the job to start")
-        assert sweep.proc.poll() is None
-        cluster.run("scancel", *cluster.jobs_left())
-        sweep.wait(FAIL_FAST_BOUND)
-    finally:
-        sweep.end()
+    app = copy_app(tmp_path_factory.mktemp("cancelled"))
+    hang = ("module.fail_rank=0", "module.fail_how=train_hang")
+    with nothing_outlives("the cancelled sweep"):
+        sweep = start_sweep(app, *launcher(cluster), *APP_UNDER_SUBMITIT, *hang, env=cluster.env)
+        try:
+            wait_for(lambda: running(app / "sweep" / "0"), SLURM_SWEEP_TIMEOUT, "the job to start")
+            assert sweep.proc.poll() is None
+            cluster.run("scancel", *arrays(app))
+            yield app, sweep, time.monotonic()
+        finally:
+            sweep.end()  # where no test waited for it
+
+
+def test_slurm_cancelled_job_fails_the_sweep_instead_of_hanging_it(cancelled_sweep, cluster):
+    """A job SLURM ends writes no result: submitit must learn its state. It asks sacct, which needs
+    an accounting database; the cluster's stand-in answers from scontrol."""
+    app, sweep, cancelled = cancelled_sweep
+    wait_all([sweep], timeout=cancelled - sweep.started + FAIL_FAST_BOUND)
     output = sweep.text()
     assert sweep.returncode != 0, output[-3000:]
     assert "UncompletedJobError" in output and "CANCELLED" in output, output[-3000:]

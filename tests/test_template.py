@@ -13,19 +13,26 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import APPS, SWEPT, SWEPT_LR_VALUES, SWEPT_LRS, app_env, ok, records, run, swept_jobs
+from helpers import APPS, SWEPT, SWEPT_JOBS, SWEPT_LR_VALUES, SWEPT_LRS, app_env, ok, records, run, swept_jobs
 from shared import nothing_outlives
+from test_readme import blocks
 
 CALLBACKS = ["EarlyStopping", "ModelCheckpoint", "ModelSummary"]
 
 
+# The README's YAML trainer config, pasted into the template as configs/trainer/readme.yaml: its jobs
+# follow those of the trainer configs named as the strategies.
+README_JOBS = list(enumerate(SWEPT_LRS, start=SWEPT_JOBS))
+
+
 @pytest.fixture(scope="module")
 def template_sweep(tmp_path_factory):
-    """The template project, swept once over every trainer config (named as the strategies) and lr;
-    and its run."""
+    """The template project, swept once over every trainer config (named as the strategies, and the
+    README's) and lr; and its run."""
     template = Path(shutil.copytree(APPS / "template", tmp_path_factory.mktemp("template") / "project"))
+    (template / "configs" / "trainer" / "readme.yaml").write_text(blocks("yaml")[0])
     command = [sys.executable, "src/train.py", "-m", "hydra.sweep.dir=sweep"]
-    overrides = [f"trainer={','.join(SWEPT)}", f"model.lr={SWEPT_LR_VALUES}"]
+    overrides = [f"trainer={','.join(SWEPT)},readme", f"model.lr={SWEPT_LR_VALUES}"]
     with nothing_outlives("the template's sweep"):
         proc = run(command + overrides, template, app_env())
     return template, proc
@@ -62,4 +69,14 @@ def test_template_train_py_sweep(template_sweep, trainer):
         rows = list(csv.DictReader((job_dir / "csv" / "version_0" / "metrics.csv").open()))
         assert [row["test/loss"] for row in rows if row.get("test/loss")], rows
         assert not (job_dir / "csv" / "version_1").exists()
-    print(f"template train.py, {len(SWEPT) * len(SWEPT_LRS)} jobs x 2 ranks, {SWEPT}: {proc.seconds:.1f} s")
+    print(f"template train.py, {SWEPT_JOBS + len(README_JOBS)} jobs x 2 ranks: {proc.seconds:.1f} s")
+
+
+def test_readme_yaml_trainer_config_in_the_template(template_sweep):
+    template, proc = template_sweep
+    ok(proc)
+    for job, lr in README_JOBS:
+        for stage in ("fit", "test"):
+            seen = records(template / "sweep" / str(job), stage)
+            assert sorted(seen) == [0, 1] and {rank["lr"] for rank in seen.values()} == {lr}
+            assert {rank["strategy"] for rank in seen.values()} == {"hydra_fsdp.lightning.HydraDDP"}
