@@ -18,23 +18,21 @@ def pytest_configure(config):
 
 
 # Under -n (pytest-xdist, --dist loadscope --no-loadscope-reorder) a free worker takes the next
-# module in this order: every module, the longest first (seconds in a worker, 2 cores), so that the
-# short ones at the end even out when the two workers finish. The first two run side by side: one
-# busy with sweeps, one mostly waiting on SLURM.
+# module in this order: every module, the longest first (seconds in a worker on 2 cores, in a slow
+# hour), so that the short ones at the end even out when the two workers finish.
 LONGEST_FIRST = [
-    "test_checkpoints",  # 95
-    "test_slurm",  # 120
-    "test_faults",  # 125
-    "test_ecosystem",  # 78
-    "test_long_sweeps",  # 58
-    "test_sweeps",  # 55
-    "test_external",  # 47
-    "test_abort",  # 30
+    "test_checkpoints",  # 105
+    "test_faults",  # 87
+    "test_slurm",  # 86
+    "test_external",  # 67
+    "test_ecosystem",  # 65
+    "test_sweeps",  # 64
+    "test_long_sweeps",  # 50
+    "test_abort",  # 41
     "test_hydra_fsdp",  # 23
-    "test_fork_server",  # 17
-    "test_readme",  # 16
-    "test_template",  # 10
-    "test_teardown",  # 5
+    "test_template",  # 12
+    "test_readme",  # 9
+    "test_teardown",  # 4
 ]
 
 

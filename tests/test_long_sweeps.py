@@ -6,6 +6,7 @@ tensors rank 0 holds, before and after a gc (Python's automatic gc is off in it)
 last job's process group and backends are still alive.
 """
 
+import functools
 import importlib
 import json
 import shutil
@@ -13,7 +14,8 @@ import traceback
 
 import pytest
 import torch
-from helpers import APPS, FSDP_ON_CPU, alive, run_app, started_pids
+from helpers import APPS, FSDP_ON_CPU, alive, run_app, run_side_by_side, start_sweep, started_pids
+from shared import nothing_outlives
 from test_external import torchrun
 
 import hydra_fsdp
@@ -40,21 +42,30 @@ def memory_app(directory):
     return directory
 
 
+@pytest.fixture(scope="module")
+def long_sweeps(tmp_path_factory):
+    """Each sweep of SWEEPS that this Lightning runs on the CPU, the two side by side (a failed job
+    waits for its ranks' ends, a core idle): {name: (app dir, run)}."""
+    names = [name for name in SWEEPS if FSDP_ON_CPU or SWEEPS[name][0] != "fsdp"]
+    apps, starts = [], []
+    for name in names:
+        strategy, fallback, plan = SWEEPS[name]
+        apps.append(memory_app(tmp_path_factory.mktemp("long")))
+        overrides = (f"plan=[{','.join(plan)}]", f"+n={','.join(map(str, range(len(plan))))}")
+        env = {"APP_CLOSURE": "1"} if fallback else None
+        starts.append(functools.partial(start_sweep, apps[-1], *overrides, strategy=strategy, env=env))
+    with nothing_outlives("the long sweeps"):
+        runs = run_side_by_side(starts, at_once=2)
+    return dict(zip(names, zip(apps, runs)))
+
+
 @pytest.mark.parametrize(
     "sweep",
     [pytest.param(name, marks=[pytest.mark.fsdp_cpu] * (SWEEPS[name][0] == "fsdp")) for name in SWEEPS],
 )
-def test_every_job_starts_as_clean_as_the_first(tmp_path, sweep):
-    strategy, fallback, plan = SWEEPS[sweep]
-    app = memory_app(tmp_path)
-    proc = run_app(
-        app,
-        "hydra.sweep.dir=sweep",
-        f"plan=[{','.join(plan)}]",
-        f"+n={','.join(map(str, range(len(plan))))}",
-        strategy=strategy,
-        env={"APP_CLOSURE": "1"} if fallback else None,
-    )
+def test_every_job_starts_as_clean_as_the_first(long_sweeps, sweep):
+    app, proc = long_sweeps[sweep]
+    plan = SWEEPS[sweep][2]
     jobs = [app / "sweep" / str(job) for job in range(len(plan))]
     memory = [json.loads((job / "memory_rank0.json").read_text()) for job in jobs]
     table = " ".join(f"{m['before_gc'] / 1e6:.0f}/{m['after_gc'] / 1e6:.0f}" for m in memory)
