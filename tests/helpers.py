@@ -169,13 +169,14 @@ def sweep_in(app_dir, *overrides, **kwargs):
     return run_app(app_dir, "hydra.sweep.dir=sweep", *overrides, **kwargs)
 
 
-def start_sweep(app_dir, *overrides, strategy="ddp", env=None, sigint_ignored=False):
-    """Start a sweep and return its Run: a session of its own, what a terminal's Ctrl-C reaches.
+def start_sweep(app_dir, *overrides, script="app.py", strategy="ddp", env=None, sigint_ignored=False):
+    """Start a sweep of ``script`` and return its Run: a session of its own, what a terminal's Ctrl-C
+    reaches.
 
     ``sigint_ignored``: started as a background job of a shell without job control is, SIGINT
     ignored (which exec keeps)."""
     python = [sys.executable] + (["-c", IGNORING_SIGINT, sys.executable] if sigint_ignored else [])
-    command = [*python, "app.py", "-m", "hydra.sweep.dir=sweep", *overrides]
+    command = [*python, script, "-m", "hydra.sweep.dir=sweep", *overrides]
     return Run(command, app_dir, app_env(strategy, env))
 
 

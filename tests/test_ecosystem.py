@@ -19,13 +19,12 @@ from helpers import (
     SWEPT_JOBS,
     SWEPT_LR_VALUES,
     SWEPT_TARGETS,
-    Run,
-    app_env,
     assert_ranks_agree,
     copy_app,
     ok,
     records,
     run_side_by_side,
+    start_sweep,
     swept_jobs,
 )
 from shared import nothing_outlives
@@ -91,9 +90,8 @@ def sweeps(tmp_path_factory):
                 directory, script = Path(shutil.copytree(APPS / "yaml_app", tmp / "proj")), "train.py"
             else:
                 directory, script = copy_app(tmp / "app"), "app.py"
-            command = [sys.executable, script, "-m", "hydra.sweep.dir=sweep", *overrides]
-            env = app_env(env={"APP_LIGHTNING": lightning, **hidden})
-            starts.append(functools.partial(Run, command, directory, env))
+            env = {"APP_LIGHTNING": lightning, **hidden}
+            starts.append(functools.partial(start_sweep, directory, *overrides, script=script, env=env))
             keys.append(((app, installed, lightning), directory))
     with nothing_outlives("this module's sweeps"):
         runs = run_side_by_side(starts, at_once=2)
