@@ -3,9 +3,9 @@
 # that of the hydra_fsdp repository this copy was taken from (its README and tests live there).
 """Lightning's DDP and FSDP strategies that work under Hydra, ``--multirun`` sweeps included.
 
-``HydraDDP`` and ``HydraFSDP`` start every child rank of a Hydra job from that job's own saved
-config (``<job dir>/<hydra.output_subdir>/config.yaml``) and run the job's own task function on
-it, instead of re-running ``sys.argv`` (the whole sweep) as Lightning does. Sections follow a
+``HydraDDP`` and ``HydraFSDP`` start every child rank of a Hydra job from that job's own config,
+as rank 0's task function received it (pickled, its dataclasses and Enums included), and run the
+job's own task function on it, instead of re-running ``sys.argv`` (the whole sweep) as Lightning does. Sections follow a
 job: what rank 0 reads, what a child runs, the fork server that starts children, rank 0's job,
 the check that every rank runs the same thing, the strategies, and a child rank's own start.
 
@@ -28,6 +28,8 @@ __version__ = "0.2.0"
 
 import atexit
 import contextlib
+import copy
+import dataclasses
 import faulthandler
 import functools
 import gc
@@ -64,7 +66,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobStatus, setup_globals
 from hydra.experimental.callback import Callback
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 __all__ = ["ChildRankError", "HydraDDP", "HydraFSDP", "RankLaunchError"]
@@ -79,7 +81,7 @@ _PIP_NAMES = {"pytorch_lightning": "pytorch-lightning", "lightning": "lightning"
 LAUNCH_DELAY_ENV = "MUSHIN_DDP_LAUNCH_DELAY"
 DEFAULT_LAUNCH_DELAY = 1.0
 DEFAULT_RANK_TIMEOUT = 600.0
-_LAUNCH_FILE = "rank_launch.pickle"  # beside the job's config.yaml: the rest a child needs (_write_launch)
+_LAUNCH_FILE = "rank_config.pickle"  # in the job's dir while it runs: its config, and all a child needs
 _CHILD_ENV = "HYDRA_FSDP_CONFIG"  # set for the child ranks hydra_fsdp starts: the config they run
 _SERVER_ENV = "HYDRA_FSDP_FORK_SERVER"  # set for the fork server: what it imports (see _ForkServer)
 _CHECK_IN_KEY = "hydra_fsdp/ready/{}"
@@ -152,32 +154,24 @@ def _hydra_job() -> dict | None:
     if frame is None:
         return None
     needed = {"task_function", "task_cfg"} | (
-        {"hydra_context", "ret"} if frame.f_code is run_job.__code__ else set()
+        {"config", "hydra_context", "ret"} if frame.f_code is run_job.__code__ else set()
     )
     if not needed <= set(frame.f_locals):  # Python 3.13: a proxy, whose keys() is a list
         raise _upstream_changed(
-            "the local variables of hydra.core.utils.run_job (task_function, task_cfg, hydra_context, ret)",
+            "the local variables of hydra.core.utils.run_job (task_function, task_cfg, config, hydra_context, ret)",
             "find the running job's task function and config",
         )
     return frame.f_locals
 
 
-def _saved_config_path() -> Path:
-    hydra_cfg = HydraConfig.get()
-    if hydra_cfg.output_subdir is None:
-        raise RankLaunchError(
-            "hydra.output_subdir is null, so Hydra saved no config.yaml for this job and child ranks"
-            " have nothing to start from. Remove the hydra.output_subdir=null override (its default"
-            " is .hydra)."
-        )
-    path = Path(hydra_cfg.runtime.output_dir, hydra_cfg.output_subdir, "config.yaml")
-    if not path.is_file():
-        raise RankLaunchError(
-            f"The job's saved config {path} does not exist, so child ranks have nothing to start"
-            " from. Hydra writes it at job start unless hydra.output_subdir is null or the file was"
-            " moved; keep hydra.output_subdir set and the job directory in place."
-        )
-    return path
+def _job_config(hydra_job: dict) -> DictConfig:
+    """The config Hydra gave the task function, as it gave it: a copy made as ``run_job`` made it (the
+    task function may have changed its own since), with the values rank 0 cached since (``${now:}``)."""
+    task_cfg = copy.deepcopy(hydra_job["config"])
+    with read_write(task_cfg), open_dict(task_cfg):
+        del task_cfg["hydra"]
+    OmegaConf.set_cache(task_cfg, OmegaConf.get_cache(hydra_job["task_cfg"]))
+    return task_cfg
 
 
 def _resolved_where_possible(config: Any) -> Any:
@@ -220,27 +214,36 @@ def _launching_script() -> dict:
 # --------------------------------------------------------------------------- what a child runs
 
 
-class _TaskPickler(pickle.Pickler):
-    """Pickle a task function by reference, as multiprocessing's spawn passes a child its target.
+class _ByReference(pickle.Pickler):
+    """Pickle a task function, a config's classes, by reference, as multiprocessing's spawn passes a child
+    its target: a child imports them (from rank 0's script too: see ``_import_launching_script``).
 
     ``@hydra.main`` hands Hydra the undecorated ``main`` while the module's ``main`` is the
     decorated one, which pickle's own by-reference lookup refuses: such a function is pickled as
-    "``__wrapped__``, n times, of the module's ``main``". ``modules`` collects the modules named.
+    "``__wrapped__``, n times, of the module's ``main``". A dataclass made at run time (hydra-zen's
+    ``builds``, ``make_config``: module ``types``), which no import finds, is pickled as its fields, to be
+    made again. ``named`` holds, by module, the first name pickled from it.
     """
 
     def __init__(self, file: io.BytesIO) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.modules: set = set()
+        self.named: dict = {}
 
     def reducer_override(self, obj: Any) -> Any:
         if not isinstance(obj, (types.FunctionType, type)):
             return NotImplemented
-        self.modules.add(obj.__module__)
+        self.named.setdefault(obj.__module__, obj.__qualname__)
         named, wrappers = _attribute(obj.__module__, obj.__qualname__), 0
         while named is not None and named is not obj:
             named, wrappers = getattr(named, "__wrapped__", None), wrappers + 1
         if named is obj and wrappers:
             return _unwrapped, (_attribute(obj.__module__, obj.__qualname__), wrappers)
+        if named is None and obj.__module__ == "types" and dataclasses.is_dataclass(obj):
+            fields = [
+                (f.name, f.type) + (() if f.default is dataclasses.MISSING else (f.default,))
+                for f in dataclasses.fields(obj)
+            ]
+            return _made_again, (obj.__qualname__, fields)
         return NotImplemented
 
 
@@ -257,38 +260,51 @@ def _unwrapped(wrapper: Any, wrappers: int) -> Callable:
     return wrapper
 
 
-def _pickled_task(task_function: Callable) -> tuple[bytes | None, str]:
-    """The task function pickled by reference and ``""``, or None and why a child cannot have it."""
+def _made_again(qualname: str, fields: list) -> type:
+    """A dataclass made at run time, made again in a child: its name, fields, types and defaults."""
+    made = dataclasses.make_dataclass(qualname.rpartition(".")[2], fields, kw_only=True)
+    made.__module__, made.__qualname__ = "types", qualname
+    return made
+
+
+def _pickled(value: Any, what: str) -> tuple[bytes | None, str]:
+    """``value`` pickled by reference and ``""``, or None and why a child cannot have ``what`` it is."""
     buffer = io.BytesIO()
-    pickler = _TaskPickler(buffer)
+    pickler = _ByReference(buffer)
     try:
-        pickler.dump(task_function)
+        pickler.dump(value)
     except Exception as error:  # noqa: BLE001 - PicklingError, or what an object's own __reduce__ raises
-        return None, f"the task function cannot be pickled by reference: {error}"
-    if "__main__" in pickler.modules and not _launching_script():
+        return None, f"{what} cannot be pickled by reference: {error}"
+    if "__main__" in pickler.named and not _launching_script():
         return None, (
-            f"the task function {task_function!r} lives in an interactive session's __main__, which"
+            f"{what} needs __main__.{pickler.named['__main__']}, of an interactive session's __main__, which"
             " a child rank cannot import"
         )
     return buffer.getvalue(), ""
 
 
-def _write_launch(config_path: Path, hydra_job: dict, shape: "_Shape") -> bool:
-    """Save beside the job's config what a child needs to run the job as rank 0 runs it.
+def _write_launch(path: Path, hydra_job: dict, shape: "_Shape") -> bool:
+    """Save at ``path`` what a child needs to run the job as rank 0 runs it: the job's config first.
 
     Return whether the children run the task function (else the fallback: the config contract).
     """
-    task_cfg = hydra_job["task_cfg"]
-    _resolved_where_possible(task_cfg)  # caches every ${now:...} rank 0 will read
-    task, why_not = _pickled_task(hydra_job["task_function"])
+    _resolved_where_possible(hydra_job["task_cfg"])  # caches every ${now:...} rank 0 will read
+    task_cfg = _job_config(hydra_job)
+    config, why_not = _pickled(task_cfg, "the job's config")
+    if config is None:
+        raise RankLaunchError(
+            f"Child ranks cannot have this job's config: {why_not}. Define the config's dataclasses and"
+            " Enums at the top level of a module, or of the launching script outside its"
+            ' `if __name__ == "__main__":` block, where a child rank imports them.'
+        )
+    task, why_not = _pickled(hydra_job["task_function"], "the task function")
     if task is None:
-        config = OmegaConf.load(config_path)
-        missing = [key for key in ("trainer", shape.module_key) if key not in config]
+        missing = [key for key in ("trainer", shape.module_key) if key not in task_cfg]
         if missing:
             raise RankLaunchError(
-                f"Child ranks cannot run this job: {why_not}, and the job's saved config {config_path}"
-                f" has no {', '.join(repr(k) for k in missing)} key (it has:"
-                f" {', '.join(map(str, config.keys())) or 'nothing'}) to build the trainer and module"
+                f"Child ranks cannot run this job: {why_not}, and the job's config has no"
+                f" {', '.join(repr(k) for k in missing)} key (it has:"
+                f" {', '.join(map(str, task_cfg.keys())) or 'nothing'}) to build the trainer and module"
                 " from instead. Define the task function at the top level of an importable file, or"
                 " put the trainer and module in the config (the module's key may be named with"
                 " HydraDDP(module_key='model'))."
@@ -301,12 +317,12 @@ def _write_launch(config_path: Path, hydra_job: dict, shape: "_Shape") -> bool:
         "cwd": hydra_job["ret"].working_dir,
         "main": _launching_script(),
         "hydra": _resolved_where_possible(HydraConfig.get()),
-        "cache": OmegaConf.get_cache(task_cfg),
-        "struct": OmegaConf.is_struct(task_cfg),
+        "config": config,
+        "resolved": _resolved_where_possible(task_cfg),
         "task": task,
         "contract": {"module_key": shape.module_key, "datamodule_key": shape.datamodule_key},
     }
-    config_path.with_name(_LAUNCH_FILE).write_bytes(pickle.dumps(launch))
+    path.write_bytes(pickle.dumps(launch))
     return task is not None
 
 
@@ -317,14 +333,14 @@ def _rank_launch(children: "_ChildRanks", shape: "_Shape", port: int, hydra_job:
         HYDRA_FSDP_CONFIG=<config> PYTHONUNBUFFERED=1 \\
             python /path/to/hydra_fsdp.py <config>  < /dev/null  >> <job dir>/rank_<r>.log 2>&1
 
-    where ``<config>`` is the job's saved ``<job dir>/<hydra.output_subdir>/config.yaml``, with
+    where ``<config>`` is ``<job dir>/rank_config.pickle``, the job's config (``_write_launch``), with
     the rest of rank 0's environment (``hydra.job.env_set`` included) and in its working
     directory, ``MUSHIN_DDP_LAUNCH_DELAY`` seconds apart -- in effect: the sweep's fork server
     runs each in a fresh fork of itself, without paying the imports again (see ``_ForkServer``).
     Each started child is in ``children`` at once, so that whoever ends them finds every one.
     Return whether they run the job's task function (else the fallback, see ``_write_launch``).
     """
-    config_path = _saved_config_path()
+    config_path = children.job_dir / _LAUNCH_FILE
     delay = _launch_delay()
     runs_task = _write_launch(config_path, hydra_job, shape)
     command = [sys.executable, os.path.abspath(__file__), str(config_path)]
@@ -833,6 +849,7 @@ class _Job:
         global _running_job
         atexit.unregister(self.close)
         self.end()
+        (self.children.job_dir / _LAUNCH_FILE).unlink(missing_ok=True)
         _destroy_process_group(aborted=self.aborted)
         self.signal_watch.close()
         for key, value in self.saved_env.items():
@@ -1266,7 +1283,22 @@ def _what_this_rank_runs(strategy: "_HydraStrategy") -> dict:
         if HydraConfig.initialized()
         else None,
         "config": None if hydra_job is None else _resolved_where_possible(hydra_job["task_cfg"]),
+        "config types": None if hydra_job is None else _types_in(hydra_job["task_cfg"]),
     }
+
+
+def _types_in(config: Any) -> Any:
+    """The type of every node of ``config``, which its values do not show: a dataclass or a dict, an
+    Enum or its name, 1.0 or 1."""
+    if not OmegaConf.is_config(config):
+        return type(config).__qualname__
+    types_in = {"": getattr(OmegaConf.get_type(config), "__qualname__", "None")}
+    for key in config.keys() if isinstance(config, DictConfig) else range(len(config)):
+        try:
+            types_in[str(key)] = _types_in(config[key])
+        except OmegaConfBaseException:  # unresolved here: its value says so
+            types_in[str(key)] = "unresolved"
+    return types_in
 
 
 def _flat(tree: Any, prefix: str = "") -> dict:
@@ -1692,19 +1724,25 @@ def __getattr__(name: str) -> Any:
 
 
 def _run_child_rank(config_path: str) -> None:
-    """Run one child rank: the job's task function on the job's saved config, as rank 0 runs it."""
+    """Run one child rank: the job's task function on the job's config, as rank 0 runs it."""
     _exit_with_parent()
     faulthandler.register(_STACK_DUMP_SIGNAL, all_threads=True)
-    launch = pickle.loads(Path(config_path).with_name(_LAUNCH_FILE).read_bytes())
+    launch = pickle.loads(Path(config_path).read_bytes())
     sys.path[:] = launch["sys_path"]
     sys.argv[:] = launch["sys_argv"]
     os.chdir(launch["cwd"])
     _import_launching_script(launch["main"])
     setup_globals()  # Hydra's resolvers: ${hydra:...}, ${now:...}
     _set_hydra_config(launch["hydra"])
-    task_cfg = OmegaConf.load(config_path)
-    OmegaConf.set_cache(task_cfg, launch["cache"])  # rank 0's ${now:...} values
-    OmegaConf.set_struct(task_cfg, launch["struct"])
+    try:  # its types, flags and rank 0's cached ${now:...} values
+        task_cfg = pickle.loads(launch["config"])
+    except (AttributeError, ImportError) as error:
+        raise RankLaunchError(
+            f"A child rank cannot make the job's config again: {error}. Define the config's dataclasses"
+            " and Enums at the top level of a module, or of the launching script outside its `if __name__"
+            ' == "__main__":` block, which a child rank imports without running that block.'
+        ) from error
+    _check_resolved_as_on_rank_0(task_cfg, launch["resolved"])
     if launch["task"] is not None:
         task_function = pickle.loads(launch["task"])
     else:
@@ -1722,6 +1760,30 @@ def _run_child_rank(config_path: str) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)
+
+
+def _check_resolved_as_on_rank_0(task_cfg: DictConfig, on_rank_0: dict) -> None:
+    """Fail before the task function runs if this rank resolves a value of the job's config otherwise
+    than rank 0 did: a resolver without ``use_cache`` that gives each call its own value (a run id), or
+    one that the launching script registers only in its ``if __name__ == "__main__":`` block."""
+    here, written = _flat(_resolved_where_possible(task_cfg)), _flat(OmegaConf.to_container(task_cfg))
+    key = next((key for key, value in _flat(on_rank_0).items() if here.get(key) != value), None)
+    if key is None:
+        return
+    resolvers = re.findall(r"\$\{\s*([\w.]+)\s*:", str(written.get(key)))
+    unregistered = [name for name in resolvers if not OmegaConf.has_resolver(name)]
+    fix = (
+        f"the resolver {unregistered[0]!r} is registered on rank 0 only: register it at the top level of"
+        ' the launching script or of a module it imports, not in its `if __name__ == "__main__":` block,'
+        " which child ranks do not run"
+        if unregistered
+        else f"register its resolver {' '.join(map(repr, resolvers))} with use_cache=True, and every rank"
+        " reads rank 0's value"
+    )
+    raise RankLaunchError(
+        f"The job's config value {key}: {written.get(key)!r} resolves to {here.get(key)!r} on this child"
+        f" rank and to {_flat(on_rank_0)[key]!r} on rank 0: {fix}."
+    )
 
 
 def _set_hydra_config(hydra: dict) -> None:

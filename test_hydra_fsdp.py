@@ -63,7 +63,8 @@ def launch_with_mocked_children(
 ):
     """Run one Hydra job (in this process) whose fit() starts children into a mocked Popen.
 
-    Returns (mocked Popen, mocked sleep, job dir, the job's error). The children never check in:
+    Returns (mocked Popen, mocked server start, mocked sleep, job dir, the job's error, what the first
+    child was to read: the launch file, which the job's end removes). The children never check in:
     the job is stopped there, which also shows its cleanup.
     """
     if config is None:
@@ -83,6 +84,10 @@ def launch_with_mocked_children(
         popen.return_value.poll.return_value = None  # the fork server runs
         start.return_value.poll.return_value = None  # and so does every child it starts
         start.return_value.pid = 4242
+        launches = []
+        start.side_effect = lambda command, *args, **kwargs: (
+            launches.append(pickle.loads(Path(command[-1]).read_bytes())) or start.return_value
+        )
         try:
             launch(
                 config, task, overrides=[f"hydra.run.dir={tmp_path / 'job'}", *overrides], version_base="1.3"
@@ -92,7 +97,7 @@ def launch_with_mocked_children(
             error = e
         finally:
             hydra_fsdp._fork_server = None
-    return Launched(popen, start, sleep, tmp_path / "job", error)
+    return Launched(popen, start, sleep, tmp_path / "job", error, (launches or [None])[0])
 
 
 class Launched(NamedTuple):
@@ -101,13 +106,14 @@ class Launched(NamedTuple):
     sleep: mock.Mock
     job_dir: Path
     error: BaseException | None
+    launch: dict | None  # what the first child read
 
 
 @pytest.mark.parametrize("strategy", [HydraDDP, pytest.param(HydraFSDP, marks=needs_fsdp_on_cpu)])
 def test_rank_launch_command_env_cwd_and_stagger(tmp_path, strategy):
     run = launch_with_mocked_children(tmp_path, strategy, devices=3, env={hydra_fsdp.LAUNCH_DELAY_ENV: "2.5"})
     assert isinstance(run.error, _StopAfterSpawn)
-    config = run.job_dir / ".hydra" / "config.yaml"
+    config = run.job_dir / "rank_config.pickle"
     assert run.start.call_count == 2
     ports = set()
     for rank, call in zip((1, 2), run.start.call_args_list):
@@ -121,6 +127,7 @@ def test_rank_launch_command_env_cwd_and_stagger(tmp_path, strategy):
         assert log == run.job_dir / f"rank_{rank}.log"
     assert len(ports) == 1
     assert [c for c in run.sleep.call_args_list if c.args == (2.5,)] == [mock.call(2.5)]  # between the two
+    assert not config.exists()  # the job's end removed it
     # the job cleaned up: children killed and reaped, rank 0's environment as it was
     assert run.start.return_value.kill.called
     for key in hydra_fsdp._RENDEZVOUS_ENV:
@@ -148,10 +155,15 @@ def test_the_fork_server_is_started_once_clean_of_the_job(tmp_path):
 
 def test_the_child_gets_the_task_function_and_where_rank0_stands(tmp_path):
     run = launch_with_mocked_children(tmp_path, HydraDDP, devices=2)
-    saved = pickle.loads((run.job_dir / ".hydra" / hydra_fsdp._LAUNCH_FILE).read_bytes())
+    saved = run.launch
     assert pickle.loads(saved["task"]) is fit_task
     assert saved["module"] == "hydra_fsdp" and saved["cwd"] == os.getcwd() and saved["sys_path"] == sys.path
-    assert saved["hydra"]["runtime"]["output_dir"] == str(run.job_dir) and saved["struct"] is True
+    assert saved["hydra"]["runtime"]["output_dir"] == str(run.job_dir)
+    config = pickle.loads(saved["config"])  # the config as the task function got it, flags included
+    assert hydra_fsdp.OmegaConf.is_struct(config) and "hydra" not in config and config.module._args_ == [2, 2]
+    assert (
+        hydra_fsdp.OmegaConf.get_type(config, "module").__qualname__ == "Builds_Linear"
+    )  # hydra-zen's, made again
 
 
 def test_no_stagger_for_a_single_child(tmp_path):
@@ -186,13 +198,14 @@ def test_bad_stagger_fails_before_any_start(tmp_path, value):
     assert hydra_fsdp._running_job is None
 
 
-def test_missing_saved_config_fails_before_any_start(tmp_path):
+def test_output_subdir_null_launches_from_the_job_dir_and_makes_no_hydra_dir(tmp_path):
     run = launch_with_mocked_children(
-        tmp_path, HydraFSDP if FSDP_ON_CPU else HydraDDP, overrides=["hydra.output_subdir=null"]
+        tmp_path, HydraFSDP if FSDP_ON_CPU else HydraDDP, devices=2, overrides=["hydra.output_subdir=null"]
     )
-    assert isinstance(run.error, RankLaunchError)
-    assert "hydra.output_subdir is null" in str(run.error)
-    run.start.assert_not_called()
+    assert isinstance(run.error, _StopAfterSpawn)
+    (call,) = run.start.call_args_list
+    assert call.args[0][-1] == str(run.job_dir / "rank_config.pickle") and run.launch["config"]
+    assert [p.name for p in run.job_dir.iterdir()] == ["zen_launch.log"]  # no .hydra; the launch file removed
 
 
 def test_outside_a_hydra_job_is_a_clear_error():
@@ -233,7 +246,7 @@ def twice_decorated(cfg):
     ids=["function", "@hydra.main", "two decorators", "zen"],
 )
 def test_task_functions_reach_a_child_by_reference(task):
-    pickled, why_not = hydra_fsdp._pickled_task(task)
+    pickled, why_not = hydra_fsdp._pickled(task, "the task function")
     assert why_not == ""
     unpickled = pickle.loads(pickled)
     if isinstance(task, type(zen(FitModule))):
@@ -248,7 +261,7 @@ def test_a_closure_or_lambda_cannot_reach_a_child():
         pass
 
     for task in (closure, lambda cfg: None):
-        pickled, why_not = hydra_fsdp._pickled_task(task)
+        pickled, why_not = hydra_fsdp._pickled(task, "the task function")
         assert pickled is None and "cannot be pickled by reference" in why_not
 
 
@@ -259,8 +272,8 @@ def test_a_task_of_an_interactive_session_cannot_reach_a_child(monkeypatch):
     typed_in.__module__, typed_in.__qualname__ = "__main__", "typed_in"
     monkeypatch.setattr(sys.modules["__main__"], "typed_in", typed_in, raising=False)
     monkeypatch.setattr(hydra_fsdp, "_launching_script", dict)  # what `python -i`, Jupyter give
-    pickled, why_not = hydra_fsdp._pickled_task(typed_in)
-    assert pickled is None and "interactive session" in why_not
+    pickled, why_not = hydra_fsdp._pickled(typed_in, "the task function")
+    assert pickled is None and "__main__.typed_in, of an interactive session" in why_not
 
 
 def test_fallback_is_one_logged_line_and_starts_children(tmp_path, capsys):
@@ -269,7 +282,7 @@ def test_fallback_is_one_logged_line_and_starts_children(tmp_path, capsys):
     logged = capsys.readouterr().out  # Hydra's job logging writes to the console
     lines = [line for line in logged.splitlines() if "[hydra_fsdp]" in line]
     assert len(lines) == 1 and "[WARNING]" in lines[0] and "build the config's trainer and module" in lines[0]
-    saved = pickle.loads((run.job_dir / ".hydra" / hydra_fsdp._LAUNCH_FILE).read_bytes())
+    saved = run.launch
     assert saved["task"] is None and saved["contract"] == {
         "module_key": "module",
         "datamodule_key": "datamodule",
@@ -281,7 +294,7 @@ def test_fallback_without_the_module_in_the_config_fails_naming_file_and_key(tmp
     run = launch_with_mocked_children(tmp_path, HydraDDP, config=config, task=lambda cfg: fit_task(cfg))
     assert isinstance(run.error, RankLaunchError)
     message = str(run.error)
-    assert str(run.job_dir / ".hydra" / "config.yaml") in message and "'module'" in message
+    assert "the job's config has no 'module' key (it has: trainer)" in message
     assert "module_key='model'" in message and "cannot be pickled by reference" in message
     run.start.assert_not_called()
 

@@ -149,7 +149,7 @@ def test_slurm_sweep_two_tasks_per_job(app, cluster, slurm_sweep, strategy):
         assert seen[0]["strategy"] == f"hydra_fsdp.Hydra{strategy.upper()}"
         # SLURM started both ranks: HydraDDP/HydraFSDP spawned no child and wrote no plan for one
         assert not (job_dir / "rank_1.log").exists()
-        assert not (job_dir / ".hydra" / "rank_launch.pickle").exists()
+        assert not (job_dir / "rank_config.pickle").exists()
         # each SLURM task of this job was one rank
         array_task = f"{array_id}_{job}"
         for rank in (0, 1):
