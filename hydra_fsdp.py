@@ -11,7 +11,7 @@ the check that every rank runs the same thing, the strategies, and a child rank'
 
 Private names this file relies on, each guarded where it is used (a change raises
 ``RankLaunchError`` naming it and ``_KNOWN_TO_WORK``), and why: ``hydra.core.utils.run_job``'s
-locals ``task_function``, ``task_cfg``, ``hydra_context``, ``ret`` (Hydra keeps no handle on the
+locals ``task_function``, ``task_cfg``, ``config``, ``hydra_context``, ``ret`` (Hydra keeps no handle on the
 running job); ``hydra_context.callbacks.callbacks`` (to follow job ends without the user's config);
 ``HydraConfig.instance().cfg`` (``set_config`` wants Hydra's schema, which plugins extend);
 ``JobReturn._return_value`` (its getter prints Hydra's error line again); torch's
@@ -105,6 +105,10 @@ _STACK_DUMP_SIGNAL = signal.SIGUSR1  # a child dumps its stack to its log on it 
 _STACK_DUMP_WAIT = 0.5
 # A child waits on rank 0's store without a deadline of its own: rank 0 ends its children itself.
 _CHILD_STORE_TIMEOUT = timedelta(days=1)
+_WHERE_CLASSES_GO = (
+    "Define the config's dataclasses and Enums at the top level of a module, or of the launching script"
+    ' outside its `if __name__ == "__main__":` block, which a child rank imports without running it.'
+)
 # The versions of torch, Lightning and hydra-core CI ran (see the private names above).
 _KNOWN_TO_WORK = "torch 2.3 to 2.15, Lightning 2.2 to 2.6, hydra-core 1.3.0 to 1.3.8"
 
@@ -174,24 +178,29 @@ def _job_config(hydra_job: dict) -> DictConfig:
     return task_cfg
 
 
-def _resolved_where_possible(config: Any) -> Any:
-    """Resolve every value of ``config`` as rank 0 does, for a child to read back literally.
+def _resolved_where_possible(config: Any, typed: bool = False) -> Any:
+    """Resolve every value of ``config`` as rank 0 does, for a child to read back literally; ``typed``:
+    each value's type and each node's (under ``""``) instead, which values do not show: a dataclass or
+    a dict, an Enum or its name, 1.0 or 1.
 
     A value rank 0 cannot resolve either (``???``, or ``${hydra:job.num}`` outside a sweep) is
     kept as written, so that it fails on a child where it would fail on rank 0. Resolving also
     caches every ``${now:...}`` in ``config``'s root, for the children to read the same.
     """
     if not OmegaConf.is_config(config):
+        if typed:
+            return type(config).__qualname__
         value = config.name if isinstance(config, Enum) else config
         if isinstance(value, str):  # escaped, for OmegaConf to read it back literally
             return re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", value)
         return value
     is_dict = isinstance(config, DictConfig)
-    resolved: Any = {} if is_dict else [None] * len(config)
+    resolved: Any = {"": getattr(OmegaConf.get_type(config), "__qualname__", None)} if typed else {}
+    resolved = resolved if is_dict or typed else [None] * len(config)
     as_written = None
     for key in config.keys() if is_dict else range(len(config)):
         try:
-            resolved[key] = _resolved_where_possible(config[key])
+            resolved[key] = _resolved_where_possible(config[key], typed)
         except OmegaConfBaseException:
             as_written = as_written or OmegaConf.to_container(config, resolve=False)
             resolved[key] = as_written[key]
@@ -292,11 +301,7 @@ def _write_launch(path: Path, hydra_job: dict, shape: "_Shape") -> bool:
     task_cfg = _job_config(hydra_job)
     config, why_not = _pickled(task_cfg, "the job's config")
     if config is None:
-        raise RankLaunchError(
-            f"Child ranks cannot have this job's config: {why_not}. Define the config's dataclasses and"
-            " Enums at the top level of a module, or of the launching script outside its"
-            ' `if __name__ == "__main__":` block, where a child rank imports them.'
-        )
+        raise RankLaunchError(f"Child ranks cannot have this job's config: {why_not}. {_WHERE_CLASSES_GO}")
     task, why_not = _pickled(hydra_job["task_function"], "the task function")
     if task is None:
         missing = [key for key in ("trainer", shape.module_key) if key not in task_cfg]
@@ -1283,22 +1288,8 @@ def _what_this_rank_runs(strategy: "_HydraStrategy") -> dict:
         if HydraConfig.initialized()
         else None,
         "config": None if hydra_job is None else _resolved_where_possible(hydra_job["task_cfg"]),
-        "config types": None if hydra_job is None else _types_in(hydra_job["task_cfg"]),
+        "config types": None if hydra_job is None else _resolved_where_possible(hydra_job["task_cfg"], True),
     }
-
-
-def _types_in(config: Any) -> Any:
-    """The type of every node of ``config``, which its values do not show: a dataclass or a dict, an
-    Enum or its name, 1.0 or 1."""
-    if not OmegaConf.is_config(config):
-        return type(config).__qualname__
-    types_in = {"": getattr(OmegaConf.get_type(config), "__qualname__", "None")}
-    for key in config.keys() if isinstance(config, DictConfig) else range(len(config)):
-        try:
-            types_in[str(key)] = _types_in(config[key])
-        except OmegaConfBaseException:  # unresolved here: its value says so
-            types_in[str(key)] = "unresolved"
-    return types_in
 
 
 def _flat(tree: Any, prefix: str = "") -> dict:
@@ -1738,9 +1729,7 @@ def _run_child_rank(config_path: str) -> None:
         task_cfg = pickle.loads(launch["config"])
     except (AttributeError, ImportError) as error:
         raise RankLaunchError(
-            f"A child rank cannot make the job's config again: {error}. Define the config's dataclasses"
-            " and Enums at the top level of a module, or of the launching script outside its `if __name__"
-            ' == "__main__":` block, which a child rank imports without running that block.'
+            f"A child rank cannot make the job's config again: {error}. {_WHERE_CLASSES_GO}"
         ) from error
     _check_resolved_as_on_rank_0(task_cfg, launch["resolved"])
     if launch["task"] is not None:
@@ -1766,24 +1755,22 @@ def _check_resolved_as_on_rank_0(task_cfg: DictConfig, on_rank_0: dict) -> None:
     """Fail before the task function runs if this rank resolves a value of the job's config otherwise
     than rank 0 did: a resolver without ``use_cache`` that gives each call its own value (a run id), or
     one that the launching script registers only in its ``if __name__ == "__main__":`` block."""
-    here, written = _flat(_resolved_where_possible(task_cfg)), _flat(OmegaConf.to_container(task_cfg))
-    key = next((key for key, value in _flat(on_rank_0).items() if here.get(key) != value), None)
-    if key is None:
-        return
-    resolvers = re.findall(r"\$\{\s*([\w.]+)\s*:", str(written.get(key)))
-    unregistered = [name for name in resolvers if not OmegaConf.has_resolver(name)]
-    fix = (
-        f"the resolver {unregistered[0]!r} is registered on rank 0 only: register it at the top level of"
-        ' the launching script or of a module it imports, not in its `if __name__ == "__main__":` block,'
-        " which child ranks do not run"
-        if unregistered
-        else f"register its resolver {' '.join(map(repr, resolvers))} with use_cache=True, and every rank"
-        " reads rank 0's value"
-    )
-    raise RankLaunchError(
-        f"The job's config value {key}: {written.get(key)!r} resolves to {here.get(key)!r} on this child"
-        f" rank and to {_flat(on_rank_0)[key]!r} on rank 0: {fix}."
-    )
+    here, theirs = _flat(_resolved_where_possible(task_cfg)), _flat(on_rank_0)
+    for key in (key for key in theirs if here.get(key) != theirs[key]):
+        written = _flat(OmegaConf.to_container(task_cfg))[key]
+        resolvers = re.findall(r"\$\{\s*([\w.]+)\s*:", str(written))
+        unregistered = [name for name in resolvers if not OmegaConf.has_resolver(name)]
+        raise RankLaunchError(
+            f"The job's config value {key}: {written!r} resolves to {here.get(key)!r} on this child rank"
+            f" and to {theirs[key]!r} on rank 0: "
+            + (
+                f"the resolver {unregistered[0]!r} is registered on rank 0 only: register it at the top level"
+                ' of the script or of a module it imports, not in its `if __name__ == "__main__":` block.'
+                if unregistered
+                else f"register its resolver {' '.join(map(repr, resolvers))} with use_cache=True: every rank"
+                " then reads rank 0's value."
+            )
+        )
 
 
 def _set_hydra_config(hydra: dict) -> None:
