@@ -3,18 +3,19 @@
 # that of the hydra_fsdp repository this copy was taken from (its README and tests live there).
 """Lightning's DDP and FSDP strategies that work under Hydra, ``--multirun`` sweeps included.
 
-``HydraDDP`` and ``HydraFSDP`` start every child rank of a Hydra job from that job's own config,
-as rank 0's task function received it (pickled, its dataclasses and Enums included), and run the
-job's own task function on it, instead of re-running ``sys.argv`` (the whole sweep) as Lightning does. Sections follow a
-job: what rank 0 reads, what a child runs, the fork server that starts children, rank 0's job,
-the check that every rank runs the same thing, the strategies, and a child rank's own start.
+``HydraDDP`` and ``HydraFSDP`` start every child rank of a Hydra job from that job's own config, as
+rank 0's task function received it (pickled, its dataclasses and Enums included), and run the job's
+own task function on it, instead of re-running ``sys.argv`` (the whole sweep) as Lightning does.
+Sections follow a job: what rank 0 reads, what a child runs, the fork server that starts children,
+rank 0's job, the check that every rank runs the same thing, the strategies, and a child rank's own
+start.
 
 Private names this file relies on, each guarded where it is used (a change raises
 ``RankLaunchError`` naming it and ``_KNOWN_TO_WORK``), and why: ``hydra.core.utils.run_job``'s
-locals ``task_function``, ``task_cfg``, ``config``, ``hydra_context``, ``ret`` (Hydra keeps no handle on the
-running job); ``hydra_context.callbacks.callbacks`` (to follow job ends without the user's config);
-``HydraConfig.instance().cfg`` (``set_config`` wants Hydra's schema, which plugins extend);
-``JobReturn._return_value`` (its getter prints Hydra's error line again); torch's
+locals ``task_function``, ``task_cfg``, ``config``, ``hydra_context``, ``ret`` (Hydra keeps no
+handle on the running job); ``hydra_context.callbacks.callbacks`` (to follow job ends without the
+user's config); ``HydraConfig.instance().cfg`` (``set_config`` wants Hydra's schema, which plugins
+extend); ``JobReturn._return_value`` (its getter prints Hydra's error line again); torch's
 ``_world.group_count`` (reset after a failed rendezvous) and TCPStore's cache of multi-tenant
 stores (no port reused); ``ProcessGroup._device_types``/``_get_backend`` (torch < 2.4 deadlocked
 destroying a group; NCCL's abort before 2.7, ``_shutdown`` before 2.6), ``_world.pg_map`` (every

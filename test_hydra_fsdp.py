@@ -1,6 +1,7 @@
 """Unit tests: a mocked ``subprocess.Popen`` (and sleep) pins what ``_rank_launch`` starts, and what
 rank 0 refuses before starting anything. End-to-end tests with real processes are in tests/."""
 
+import dataclasses
 import functools
 import json
 import os
@@ -691,3 +692,26 @@ def test_at_exit_the_groups_end_and_the_rest_is_frozen_for_the_interpreters_own_
         finally:
             gc.unfreeze()
     destroy.assert_called_once_with()
+
+
+def test_a_config_class_no_child_can_import_is_named_at_once():
+    @dataclasses.dataclass
+    class Local:  # defined in a function: no import finds it
+        lr: float = 0.1
+
+    pickled, why_not = hydra_fsdp._pickled(hydra_fsdp.OmegaConf.structured(Local), "the job's config")
+    assert (
+        pickled is None
+        and "the job's config cannot be pickled by reference" in why_not
+        and "Local" in why_not
+    )
+
+
+def test_a_dataclass_made_at_run_time_is_made_again_with_its_fields():
+    config = hydra_fsdp.OmegaConf.structured(make_config(lr=0.1, net=builds(torch.nn.Linear, 2, 3)))
+    pickled, why_not = hydra_fsdp._pickled(config, "the job's config")
+    assert why_not == ""
+    again = pickle.loads(pickled)
+    made = hydra_fsdp.OmegaConf.to_object(again)
+    assert type(made).__qualname__ == "Config" and type(made).__module__ == "types"
+    assert made.lr == 0.1 and type(made.net).__qualname__ == "Builds_Linear" and made.net._args_ == [2, 3]
