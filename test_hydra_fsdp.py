@@ -161,7 +161,11 @@ def test_the_child_gets_the_task_function_and_where_rank0_stands(tmp_path):
     assert saved["module"] == "hydra_fsdp" and saved["cwd"] == os.getcwd() and saved["sys_path"] == sys.path
     assert saved["hydra"]["runtime"]["output_dir"] == str(run.job_dir)
     config = pickle.loads(saved["config"])  # the config as the task function got it, flags included
-    assert hydra_fsdp.OmegaConf.is_struct(config) and "hydra" not in config and config.module._args_ == [2, 2]
+    assert (
+        hydra_fsdp.OmegaConf.is_struct(config)
+        and "hydra" not in config
+        and list(config.module._args_) == [2, 2]
+    )
     assert (
         hydra_fsdp.OmegaConf.get_type(config, "module").__qualname__ == "Builds_Linear"
     )  # hydra-zen's, made again
@@ -714,4 +718,6 @@ def test_a_dataclass_made_at_run_time_is_made_again_with_its_fields():
     again = pickle.loads(pickled)
     made = hydra_fsdp.OmegaConf.to_object(again)
     assert type(made).__qualname__ == "Config" and type(made).__module__ == "types"
-    assert made.lr == 0.1 and type(made.net).__qualname__ == "Builds_Linear" and made.net._args_ == [2, 3]
+    assert (
+        made.lr == 0.1 and type(made.net).__qualname__ == "Builds_Linear" and list(made.net._args_) == [2, 3]
+    )
