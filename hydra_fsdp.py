@@ -4,25 +4,19 @@
 """Lightning's DDP and FSDP strategies that work under Hydra, ``--multirun`` sweeps included.
 
 ``HydraDDP`` and ``HydraFSDP`` start every child rank of a Hydra job from that job's own config, as
-rank 0's task function received it (pickled, its dataclasses and Enums included), and run the job's
-own task function on it, instead of re-running ``sys.argv`` (the whole sweep) as Lightning does.
-Sections follow a job: what rank 0 reads, what a child runs, the fork server that starts children,
-rank 0's job, the check that every rank runs the same thing, the strategies, and a child rank's own
-start.
+rank 0's task function received it (pickled, types included), and run the job's own task function on
+it, instead of re-running ``sys.argv`` (the whole sweep) as Lightning does. Sections follow a job: what
+rank 0 reads, what a child runs, the fork server that starts children, rank 0's sweep (``_Sweep``, what
+lasts from job to job) and job, the check that every rank runs the same thing, the strategies, and a
+child rank's own start.
 
-Private names this file relies on, each guarded where it is used (a change raises
-``RankLaunchError`` naming it and ``_KNOWN_TO_WORK``), and why: ``hydra.core.utils.run_job``'s
-locals ``task_function``, ``task_cfg``, ``config``, ``hydra_context``, ``ret`` (Hydra keeps no
-handle on the running job); ``hydra_context.callbacks.callbacks`` (to follow job ends without the
-user's config); ``HydraConfig.instance().cfg`` (``set_config`` wants Hydra's schema, which plugins
-extend); ``JobReturn._return_value`` (its getter prints Hydra's error line again); torch's
-``_world.group_count`` (reset after a failed rendezvous) and TCPStore's cache of multi-tenant
-stores (no port reused); ``ProcessGroup._device_types``/``_get_backend`` (torch < 2.4 deadlocked
-destroying a group; NCCL's abort before 2.7, ``_shutdown`` before 2.6), ``_world.pg_map`` (every
-group aborted) and ``_abort_process_group`` (an aborted group ends without waiting); FSDP's
-``_handle.flat_param`` (freed at a job's end); ``FSDPStrategy._setup_model`` (wrap on the CPU, once
-for all stages) and ``_state_dict_type``; FSDP's ``_fsdp_wrapped_module`` name part and Lightning's
-``meta.pt`` (what a checkpoint holds); ``rank_zero_only.rank`` (a forked child's rank).
+Private names used, each guarded where it is used (a change raises ``RankLaunchError`` naming it and
+``_KNOWN_TO_WORK``): Hydra's ``run_job`` locals (``task_function``, ``task_cfg``, ``config``,
+``hydra_context``, ``ret``), ``hydra_context.callbacks.callbacks``, ``HydraConfig.instance().cfg`` and
+``JobReturn._return_value``; torch's ``_world.group_count`` and ``pg_map``, TCPStore's cache of
+multi-tenant stores, ``ProcessGroup._device_types``/``_get_backend``, NCCL's ``_shutdown`` (< 2.6),
+``_abort_process_group``, FSDP's ``_handle.flat_param`` and ``_fsdp_wrapped_module``; Lightning's
+``FSDPStrategy._setup_model`` and ``_state_dict_type``, ``meta.pt`` and ``rank_zero_only.rank``.
 """
 
 __version__ = "0.2.0"
@@ -104,6 +98,7 @@ _DIFFERENCES_SHOWN = 5
 _PEER_EXIT_GRACE = 2.0  # after a collective failed on rank 0: how long a child that caused it may take
 _STACK_DUMP_SIGNAL = signal.SIGUSR1  # a child dumps its stack to its log on it (faulthandler)
 _STACK_DUMP_WAIT = 0.5
+_KILL_WAIT = 5.0  # for a child to be reaped after SIGKILL: one the kernel holds is left behind
 # A child waits on rank 0's store without a deadline of its own: rank 0 ends its children itself.
 _CHILD_STORE_TIMEOUT = timedelta(days=1)
 _WHERE_CLASSES_GO = (
@@ -180,14 +175,9 @@ def _job_config(hydra_job: dict) -> DictConfig:
 
 
 def _resolved_where_possible(config: Any, typed: bool = False) -> Any:
-    """Resolve every value of ``config`` as rank 0 does, for a child to read back literally; ``typed``:
-    each value's type and each node's (under ``""``) instead, which values do not show: a dataclass or
-    a dict, an Enum or its name, 1.0 or 1.
-
-    A value rank 0 cannot resolve either (``???``, or ``${hydra:job.num}`` outside a sweep) is
-    kept as written, so that it fails on a child where it would fail on rank 0. Resolving also
-    caches every ``${now:...}`` in ``config``'s root, for the children to read the same.
-    """
+    """Every value of ``config`` resolved, for a child to read back literally (one that cannot be resolved,
+    ``???``, kept as written), caching each ``${now:...}`` in its root; ``typed``: each value's type and
+    each node's (under ``""``) instead, which values do not show (a dataclass or a dict, 1.0 or 1)."""
     if not OmegaConf.is_config(config):
         if typed:
             return type(config).__qualname__
@@ -226,14 +216,12 @@ def _launching_script() -> dict:
 
 class _ByReference(pickle.Pickler):
     """Pickle a task function, a config's classes, by reference, as multiprocessing's spawn passes a child
-    its target: a child imports them (from rank 0's script too: see ``_import_launching_script``).
+    its target: a child imports them (rank 0's script too: see ``_import_launching_script``).
 
-    ``@hydra.main`` hands Hydra the undecorated ``main`` while the module's ``main`` is the
-    decorated one, which pickle's own by-reference lookup refuses: such a function is pickled as
-    "``__wrapped__``, n times, of the module's ``main``". A dataclass made at run time (hydra-zen's
-    ``builds``, ``make_config``: module ``types``), which no import finds, is pickled as its fields, to be
-    made again. ``named`` holds, by module, the first name pickled from it.
-    """
+    ``@hydra.main`` hands Hydra the undecorated ``main``, which pickle's lookup refuses: it is pickled
+    as "``__wrapped__``, n times, of the module's ``main``". A dataclass made at run time (hydra-zen's
+    ``builds``: module ``types``) is pickled as its fields, to be made again. ``named``: by module, the
+    first name pickled from it."""
 
     def __init__(self, file: io.BytesIO) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
@@ -293,7 +281,7 @@ def _pickled(value: Any, what: str) -> tuple[bytes | None, str]:
     return buffer.getvalue(), ""
 
 
-def _write_launch(path: Path, hydra_job: dict, shape: "_Shape") -> bool:
+def _write_launch(path: Path, hydra_job: dict, spec: "_LaunchSpec") -> bool:
     """Save at ``path`` what a child needs to run the job as rank 0 runs it: the job's config first.
 
     Return whether the children run the task function (else the fallback: the config contract).
@@ -305,7 +293,7 @@ def _write_launch(path: Path, hydra_job: dict, shape: "_Shape") -> bool:
         raise RankLaunchError(f"Child ranks cannot have this job's config: {why_not}. {_WHERE_CLASSES_GO}")
     task, why_not = _pickled(hydra_job["task_function"], "the task function")
     if task is None:
-        missing = [key for key in ("trainer", shape.module_key) if key not in task_cfg]
+        missing = [key for key in ("trainer", spec.module_key) if key not in task_cfg]
         if missing:
             raise RankLaunchError(
                 f"Child ranks cannot run this job: {why_not}, and the job's config has no"
@@ -326,67 +314,57 @@ def _write_launch(path: Path, hydra_job: dict, shape: "_Shape") -> bool:
         "config": config,
         "resolved": _resolved_where_possible(task_cfg),
         "task": task,
-        "contract": {"module_key": shape.module_key, "datamodule_key": shape.datamodule_key},
+        "contract": {"module_key": spec.module_key, "datamodule_key": spec.datamodule_key},
     }
     path.write_bytes(pickle.dumps(launch))
     return task is not None
 
 
-def _rank_launch(children: "_ChildRanks", shape: "_Shape", port: int, hydra_job: dict) -> bool:
-    """Start child ranks 1..N-1 of the running Hydra job into ``children``, each as::
+def _rank_launch(job: "_Job", hydra_job: dict) -> bool:
+    """Start child ranks 1..N-1 of the running Hydra job into ``job.children``, each as::
 
-        LOCAL_RANK=<r> NODE_RANK=0 WORLD_SIZE=<N> MASTER_ADDR=<shape.address> MASTER_PORT=<port> \\
+        LOCAL_RANK=<r> NODE_RANK=0 WORLD_SIZE=<N> MASTER_ADDR=<address> MASTER_PORT=<port> \\
         HYDRA_FSDP_CONFIG=<config> PYTHONUNBUFFERED=1 \\
             python /path/to/hydra_fsdp.py <config>  < /dev/null  >> <job dir>/rank_<r>.log 2>&1
 
-    where ``<config>`` is ``<job dir>/rank_config.pickle``, the job's config (``_write_launch``), with
-    the rest of rank 0's environment (``hydra.job.env_set`` included) and in its working
-    directory, ``MUSHIN_DDP_LAUNCH_DELAY`` seconds apart -- in effect: the sweep's fork server
-    runs each in a fresh fork of itself, without paying the imports again (see ``_ForkServer``).
-    Each started child is in ``children`` at once, so that whoever ends them finds every one.
+    where ``<config>`` is ``<job dir>/rank_config.pickle`` (``_write_launch``), with the rest of rank
+    0's environment (``hydra.job.env_set`` included), in its working directory, ``MUSHIN_DDP_LAUNCH_DELAY``
+    seconds apart -- in effect: forked by the sweep's fork server, without paying the imports again.
     Return whether they run the job's task function (else the fallback, see ``_write_launch``).
     """
-    config_path = children.job_dir / _LAUNCH_FILE
+    spec, config_path = job.spec, job.children.job_dir / _LAUNCH_FILE
     delay = _launch_delay()
-    runs_task = _write_launch(config_path, hydra_job, shape)
+    runs_task = _write_launch(config_path, hydra_job, spec)
     command = [sys.executable, os.path.abspath(__file__), str(config_path)]
-    for rank in range(1, shape.world_size):
+    env = {**os.environ, "MASTER_ADDR": spec.address, "MASTER_PORT": str(job.store.port), "NODE_RANK": "0"}
+    env.update(WORLD_SIZE=str(spec.world_size), PYTHONUNBUFFERED="1")  # a killed child's last words logged
+    env[_CHILD_ENV] = str(config_path)
+    for rank in range(1, spec.world_size):
         if rank > 1 and delay:
             time.sleep(delay)
-        env = dict(
-            os.environ,
-            MASTER_ADDR=shape.address,
-            MASTER_PORT=str(port),
-            NODE_RANK="0",
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(shape.world_size),
-            PYTHONUNBUFFERED="1",  # a killed child's log must still hold its last words
+        env = dict(env, LOCAL_RANK=str(rank))
+        server = job.sweep.started_fork_server(spec.lightning)
+        on_failure = functools.partial(job.abort.abort, rank)
+        proc = server.start(
+            command, env, job.children.log(rank), timeout=spec.rank_timeout, on_failure=on_failure
         )
-        env[_CHILD_ENV] = str(config_path)
-        server = _started_fork_server(shape.lightning)
-        children[rank] = server.start(command, env, children.log(rank), timeout=shape.rank_timeout)
+        job.children.add(rank, proc)
     return runs_task
 
 
 # --------------------------------------------------------------------------- the fork server
 
 
-# The fork server of this sweep, started by its first job that has child ranks.
-_fork_server: "_ForkServer | None" = None
-# Notified whenever a fork server says something: a child started or exited, or the server ended.
-_server_said = threading.Condition()
-
-
-def _wait_until(done: Callable[[], Any], timeout: float | None) -> bool:
-    """Whether ``done()`` holds within ``timeout`` s. Asked again the moment a fork server says
-    something, and every ``_POLL_INTERVAL`` for what only polling shows (a check-in)."""
+def _wait_until(said: threading.Condition, done: Callable[[], Any], timeout: float | None) -> bool:
+    """Whether ``done()`` holds within ``timeout`` s. Asked again the moment a fork server says something
+    (``said`` is notified), and every ``_POLL_INTERVAL`` for what only polling shows (a check-in)."""
     deadline = math.inf if timeout is None else time.monotonic() + timeout
-    with _server_said:
+    with said:
         while not done():
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
-            _server_said.wait(min(left, _POLL_INTERVAL))
+            said.wait(min(left, _POLL_INTERVAL))
     return True
 
 
@@ -394,16 +372,15 @@ class _ForkServer:
     """A process that imports torch, Lightning and Hydra once and forks every child rank of a sweep.
 
     A child started from scratch pays those imports on every job (seconds; more on a cluster's
-    shared file system). A fork of a process that holds them is up in milliseconds and is still a
-    fresh process: a new pid, rank 0's script and all else imported anew, the job's environment.
-    So the server imports nothing more (but hydra-zen, if rank 0 has), starts no thread and never
-    touches CUDA (with ``PYTORCH_NVML_BASED_CUDA_CHECK`` a CUDA query asks NVML instead). It runs
-    as ``python /path/to/hydra_fsdp.py`` with ``HYDRA_FSDP_FORK_SERVER`` naming what to import,
-    reads a child's command a line on stdin, answers its pid and later its exit code on stdout
-    (read here by a thread), and ends, ending its children, when rank 0 closes its stdin or dies.
+    shared file system); a fork of a process that holds them is up in milliseconds, and still a fresh
+    process: rank 0's script and all else imported anew, the job's environment. So the server imports
+    nothing more (but hydra-zen, if rank 0 has), starts no thread and never touches CUDA. It runs as
+    ``python /path/to/hydra_fsdp.py``, reads a child's command a line on stdin, answers its pid and
+    later its exit code on stdout (read by a thread, which notifies ``said`` and calls a failed child's
+    ``on_failure``), and ends, ending its children, when rank 0 closes its stdin or dies.
     """
 
-    def __init__(self, lightning: str) -> None:
+    def __init__(self, lightning: str, said: threading.Condition) -> None:
         env_set = HydraConfig.get().job.env_set  # the job's environment is the children's, not the server's
         env = {key: value for key, value in os.environ.items() if key not in env_set}
         env.update(PYTHONUNBUFFERED="1", PYTORCH_NVML_BASED_CUDA_CHECK="1")
@@ -415,8 +392,11 @@ class _ForkServer:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
         )
+        self.said = said
         self.started: list[int] = []
         self.exit_codes: dict[int, int] = {}
+        self.on_failure: dict[int, Callable[[], None]] = {}  # by pid, of each child still running
+        self.asked: list[Callable[[], None]] = []  # the on_failure of each child asked for, not yet started
         self.lost = False  # the server died, and its children with it: how they ended is unknown
         threading.Thread(target=self._read_replies, name="hydra-fsdp-fork-server", daemon=True).start()
         atexit.register(self.close)
@@ -424,28 +404,34 @@ class _ForkServer:
     def _read_replies(self) -> None:
         try:
             for reply in map(json.loads, self.proc.stdout):
-                with _server_said:
+                with self.said:
                     if "started" in reply:
                         self.started.append(reply["started"])
+                        self.on_failure[reply["started"]] = self.asked.pop(0)
                     else:
                         self.exit_codes[reply["exited"]] = reply["code"]
-                    _server_said.notify_all()
-                job = _running_job
-                if reply.get("code") and job is not None:
-                    job.abort_stage_of(reply["exited"])
+                    self.said.notify_all()
+                on_failure = self.on_failure.pop(reply.get("exited"), None)
+                if reply.get("code") and on_failure is not None:
+                    on_failure()
         finally:  # the server ended, or its replies did: no wait may outlast it
-            with _server_said:
+            with self.said:
                 self.lost = True
-                _server_said.notify_all()
+                self.said.notify_all()
 
-    def start(self, command: list, env: dict, log: Path, timeout: float) -> "_ForkedChild":
-        """Have the server fork a child that runs ``command`` with ``env``, writing to ``log``,
-        within ``timeout`` seconds (the first child waits for the server's imports)."""
+    def start(
+        self, command: list, env: dict, log: Path, timeout: float, on_failure: Callable[[], None]
+    ) -> "_ForkedChild":
+        """Have the server fork a child that runs ``command`` with ``env``, writing to ``log``, within
+        ``timeout`` seconds (the first child waits for the server's imports); ``on_failure`` is called,
+        on the reader's thread, if it exits with an error."""
         request = {"command": command, "env": env, "cwd": os.getcwd(), "log": str(log)}
+        with self.said:
+            self.asked.append(on_failure)
         with contextlib.suppress(BrokenPipeError):  # a server that died says so by its end
             self.proc.stdin.write(json.dumps(request).encode() + b"\n")
             self.proc.stdin.flush()
-        if not _wait_until(lambda: self.started or self.lost, timeout):
+        if not _wait_until(self.said, lambda: self.started or self.lost, timeout):
             self.proc.kill()
             self.proc.wait()
             raise ChildRankError(
@@ -469,20 +455,6 @@ class _ForkServer:
             self.proc.wait()
 
 
-def _started_fork_server(lightning: str) -> _ForkServer:
-    global _fork_server
-    if _fork_server is None or _fork_server.proc.poll() is not None:
-        _fork_server = _ForkServer(lightning)
-    return _fork_server
-
-
-def _close_fork_server() -> None:
-    global _fork_server
-    if _fork_server is not None:
-        _fork_server.close()
-        _fork_server = None
-
-
 class _ForkedChild:
     """A child rank the fork server started: the part of ``subprocess.Popen`` rank 0 uses."""
 
@@ -494,7 +466,7 @@ class _ForkedChild:
         return self.server.exit_codes.get(self.pid, -signal.SIGKILL if self.server.lost else None)
 
     def wait(self, timeout: float | None = None) -> int:
-        if not _wait_until(lambda: self.poll() is not None, timeout):
+        if not _wait_until(self.server.said, lambda: self.poll() is not None, timeout):
             raise subprocess.TimeoutExpired(f"child rank pid {self.pid}", timeout)
         return self.poll()
 
@@ -590,12 +562,9 @@ def _run_forked(request: dict, lightning: str, replies: int, sigint: Any) -> Non
 # --------------------------------------------------------------------------- rank 0's job
 
 
-# The job whose child ranks are running, from its first stage until Hydra ends it.
-_running_job: "_Job | None" = None
-
-
-class _Shape(NamedTuple):
-    """What starting a job's child ranks takes from its strategy."""
+class _LaunchSpec(NamedTuple):
+    """What starting a job's child ranks takes from its strategy: how many, where, with which Lightning,
+    how long each may take, and where the fallback finds the module in the config."""
 
     world_size: int
     address: str
@@ -604,39 +573,260 @@ class _Shape(NamedTuple):
     module_key: str
     datamodule_key: str
 
-    @classmethod
-    def of(cls, strategy: "_HydraStrategy") -> "_Shape":
-        address = strategy.cluster_environment.main_address
-        lightning = strategy._lightning.__name__
-        return cls(strategy.world_size, address, lightning, strategy.rank_timeout, **strategy._config_keys)
+
+class _Sweep(Callback):
+    """What rank 0, the sweep's process, keeps from one job to the next, in one place (``_sweep``).
+
+    It is also the Hydra callback that follows the jobs (``follow``): a job's start starts its ranks if
+    the last job had ranks (they import rank 0's script while rank 0 builds its trainer), a job's end
+    ends them and lets go of what the job held (if these strategies ran it: ``ran``), and the run's or
+    sweep's end ends the fork server. Only ``said`` is shared with another thread.
+    """
+
+    def __init__(self) -> None:
+        self.said = threading.Condition()  # notified whenever the fork server says something
+        self.fork_server: _ForkServer | None = None  # started by the sweep's first job with child ranks
+        self.store_ports: set = set()  # of the stores this process made, one a job (see new_store)
+        self.job: _Job | None = None  # whose child ranks run, from its first stage until Hydra ends it
+        self.wrapped: list = []  # the FSDP wrappers the running job built, for its end to free
+        self.last_spec: _LaunchSpec | None = None
+        self.ran: Any = None  # the JobReturn of the last job a strategy of this file ran a stage of
+        self.froze = False
+
+    def job_for(self, spec: _LaunchSpec, hydra_job: dict | None) -> "_Job":
+        """The job's ranks for a stage of ``spec``: those started at Hydra's start of the job if alike."""
+        if hydra_job is None or not HydraConfig.initialized():
+            raise RankLaunchError(
+                "HydraDDP/HydraFSDP start child ranks from the running Hydra job's config, but no Hydra job"
+                " is running here. Call trainer.fit/validate/test/predict inside a Hydra task function"
+                " (@hydra.main, hydra_zen.zen or hydra_zen.launch), or use Lightning's own"
+                " strategy='ddp'/'fsdp' outside Hydra."
+            )
+        job = self.job
+        if job is not None and job.job_return is hydra_job.get("ret"):
+            if job.spec == spec:
+                return job
+            if job.released:
+                raise RankLaunchError(
+                    f"This job's ranks were started for a world size of {job.spec.world_size}, and a"
+                    f" Trainer of the same job now asks for {spec.world_size}. Give every Trainer of one"
+                    " job the same devices, num_nodes and strategy arguments."
+                )
+        return self.start_job(spec, hydra_job)
+
+    def start_job(self, spec: _LaunchSpec, hydra_job: dict) -> "_Job":
+        if self.job is not None:  # a job Hydra never ended (it raised past run_job), or one not alike
+            self.job.close()
+        self.job = _Job(self, spec, hydra_job)
+        try:
+            self.job.launch(hydra_job)
+        except BaseException:
+            self.job.close()
+            raise
+        return self.job
+
+    def started_fork_server(self, lightning: str) -> _ForkServer:
+        if self.fork_server is None or self.fork_server.proc.poll() is not None:
+            self.fork_server = _ForkServer(lightning, self.said)
+        return self.fork_server
+
+    def close_fork_server(self) -> None:
+        if self.fork_server is not None:
+            self.fork_server.close()
+            self.fork_server = None
+
+    def new_store(self, address: str) -> torch.distributed.TCPStore:
+        """A job's store, where children check in and which torch's init_process_group reuses: on a port
+        the OS picks, never one an earlier job had (the OS offers one again after 6 to 160 jobs here):
+        torch looks the store to reuse (``multi_tenant``) up by port in a cache where an earlier job's
+        dead store hides this one, and init_process_group fails with EADDRINUSE."""
+        refused = []  # held until a new port is found, so that the OS offers another
+        while True:
+            store = torch.distributed.TCPStore(
+                address, 0, is_master=True, multi_tenant=True, wait_for_workers=False
+            )
+            if store.port not in self.store_ports:
+                self.store_ports.add(store.port)
+                return store
+            refused.append(store)
+
+    def follow(self, hydra_context: Any) -> "_Sweep":
+        # Hydra's Callbacks object (private) is the only way to its job ends without the user's config.
+        callbacks = getattr(getattr(hydra_context, "callbacks", None), "callbacks", None)
+        if not isinstance(callbacks, list):
+            raise _upstream_changed(
+                "hydra_context.callbacks.callbacks, a list", "follow the ends of Hydra's jobs"
+            )
+        if self not in callbacks:
+            callbacks.append(self)
+        return self
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        # What was alive before the job, frozen meanwhile, is not scanned by its end's collection (a
+        # full one over torch and Lightning takes most of a second). Not where someone froze objects
+        # of their own (before forking DataLoader workers, say): unfreezing would undo it.
+        if gc.get_freeze_count() == 0:  # (frozen still if the last job raised past its end: SystemExit)
+            gc.freeze()
+            self.froze = True
+        server = self.fork_server  # not one that failed to start: its first stage would wait for it again
+        if self.last_spec is not None and server is not None and server.proc.poll() is None:
+            with contextlib.suppress(Exception):  # the job's first stage starts it again, and reports it
+                self.start_job(self.last_spec, _hydra_job())
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        if self.job is not None and self.job.job_return is job_return:
+            self.job.finish(job_return)
+        if self.ran is job_return:
+            self.ran = None
+            _let_go_of_the_job(job_return, self.wrapped)
+        if self.froze:
+            gc.unfreeze()
+            self.froze = False
+
+    def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
+        self.close_fork_server()
+
+    on_multirun_end = on_run_end
 
 
-class _ChildRanks(dict):
-    """A job's child ranks, by rank: which still run, which failed, and what their logs say."""
+_sweep = _Sweep()
 
-    def __init__(self, job_dir: Path) -> None:
-        super().__init__()
+
+class _StageAbort:
+    """Whether the job's process groups were aborted, and for which child. The fork server's thread aborts
+    for a child that failed, the main thread runs the stage: one lock, so that no abort comes once the
+    stage has ended."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.in_stage = False
+        self.aborted = False  # a collective after that fails at once, never waits
+        self.for_rank: int | None = None  # the child whose exit aborted them: no checkpoint after it
+
+    @contextlib.contextmanager
+    def stage(self) -> Any:
+        with self.lock:
+            self.in_stage = True
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.in_stage = False
+
+    def abort(self, for_rank: int | None = None) -> None:
+        """For a child that failed (``for_rank``) while a stage runs, which NCCL would leave waiting for the
+        dead rank until the group's timeout; for rank 0's failed stage, whose exception hooks' collectives
+        would wait for the ended children."""
+        with self.lock:
+            if not self.aborted and (for_rank is None or self.in_stage):
+                self.aborted, self.for_rank = True, self.for_rank if for_rank is None else for_rank
+                _abort_groups()
+
+
+class _ChildRanks:
+    """A job's child ranks, by rank: added as they start, stopped by a signal from any thread, ended
+    with every wait bounded, and described by their logs."""
+
+    def __init__(self, job_dir: Path, said: threading.Condition) -> None:
         self.job_dir = job_dir
+        self.said = said
+        self.procs: dict = {}
+        # A signal stops them from its own thread, or from a handler that runs in the main thread while
+        # it adds one: reentrant, and a rank added after the signal is stopped at once.
+        self.lock = threading.RLock()
+        self.stopped_by: int | None = None  # the signal that stopped them
+        self.unkillable: set = set()  # ranks that outlived SIGKILL: not waited for again
+
+    def add(self, rank: int, proc: Any) -> None:
+        with self.lock:
+            self.procs[rank] = proc
+            if self.stopped_by is not None:
+                proc.kill()
+
+    def stop(self, signum: int) -> None:
+        """SIGTERM or SIGINT reached rank 0: kill every child now, from whichever thread."""
+        with self.lock:
+            self.stopped_by = signum
+            for proc in list(self.procs.values()):
+                proc.kill()
+
+    def end(self) -> None:
+        """SIGKILL every child still running and reap it: a rank stuck in a collective ignores less. Each
+        wait is bounded, as torch elastic's: a child the kernel holds (uninterruptible sleep: a hung
+        driver or file system) is left to the fork server, and the sweep goes on."""
+        for proc in self.procs.values():
+            proc.kill()
+        deadline = time.monotonic() + _KILL_WAIT
+        for rank, proc in self.procs.items():
+            try:
+                if rank not in self.unkillable:
+                    proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.unkillable.add(rank)
+                log.warning(
+                    f"hydra_fsdp: child rank {rank} (pid {proc.pid}) is still there {_KILL_WAIT:g} s after SIGKILL"
+                    " (in uninterruptible sleep: a hung driver or file system?); the sweep goes on without it."
+                )
 
     def log(self, rank: int) -> Path:
         return self.job_dir / f"rank_{rank}.log"
 
     def running(self) -> list:
-        return [rank for rank, proc in self.items() if proc.poll() is None]
+        return [rank for rank, proc in self.procs.items() if proc.poll() is None]
 
-    def failed(self) -> int | None:
-        """The first rank that exited with an error, if any."""
-        return next((rank for rank, proc in self.items() if proc.poll() not in (None, 0)), None)
+    def first_failed(self) -> int | None:
+        return next((rank for rank, proc in self.procs.items() if proc.poll() not in (None, 0)), None)
 
     def settled(self) -> bool:
         """Whether the job's outcome is known: every child exited, or one failed."""
-        return not self.running() or self.failed() is not None
+        return not self.running() or self.first_failed() is not None
+
+    def raise_if_any_exited(self) -> None:
+        """While rank 0 runs the job's stages, every child must still be running."""
+        for rank, proc in self.procs.items():
+            code = proc.poll()
+            if code is not None:
+                self.end()
+                if code != 0:
+                    raise self.failure(rank)
+                raise ChildRankError(
+                    f"Child rank {rank} finished the job's task function while rank 0 still runs it, at a"
+                    f" Trainer stage the child never reached: the task function took another path on that"
+                    f" rank. {self.describe(rank)}"
+                )
+
+    def wait_until_exited(self, timeout: float) -> ChildRankError | None:
+        """Wait for every child to finish the job: the job's error if one failed or would not."""
+        if not _wait_until(self.said, self.settled, timeout):
+            late = self.running()
+            self.end()
+            return ChildRankError(
+                f"Child rank(s) {late} were still running {timeout:g} s after rank 0 finished the job and"
+                f" were ended. {self.describe(late[0])}"
+            )
+        failed = self.first_failed()
+        return None if failed is None else self.failure(failed)
+
+    def end_saying_where_they_stood(self, error: BaseException | None) -> None:
+        """Have every running child dump its stack to its log, end them, and say so under rank 0's error."""
+        running = self.running()
+        if not running:
+            return
+        for rank in running:
+            self.procs[rank].send_signal(_STACK_DUMP_SIGNAL)
+        time.sleep(_STACK_DUMP_WAIT)
+        self.end()
+        _add_note(
+            error,
+            "Rank 0 failed while these child ranks were still running; they were ended:\n"
+            + "\n".join(self.describe(rank) for rank in running),
+        )
 
     def failure(self, rank: int) -> ChildRankError:
         return ChildRankError(f"Child rank {rank} failed: {self.describe(rank)}")
 
     def describe(self, rank: int) -> str:
-        proc = self[rank]
+        proc = self.procs[rank]
         code = proc.poll()
         status = "still running" if code is None else f"exit code {code}"
         if code is not None and code < 0:
@@ -648,224 +838,134 @@ class _ChildRanks(dict):
 
 
 class _Job:
-    """Rank 0's side of one Hydra job: its child ranks, its port and its process group.
+    """Rank 0's side of one Hydra job: its child ranks, its store and port, its process group.
 
-    Started at the job's first stage -- or already at Hydra's start of the job when the sweep's
-    previous job had the same shape, so that the children import rank 0's script while rank 0
-    builds its own trainer; they wait for rank 0's go before they run the task function. Ended
-    when Hydra ends the job, so that the task function's sequence of stages -- fit then test, a
-    second Trainer -- runs on one set of ranks, as under stock DDP.
+    Started at the job's first stage, or at Hydra's start of the job (see ``_Sweep``); the children
+    wait for rank 0's go before they run the task function. Ended when Hydra ends the job (``finish``),
+    so that the task function's stages -- fit then test, a second Trainer -- run on one set of ranks,
+    as under stock DDP. ``close`` undoes what the job did, the last first, however it ended.
     """
 
-    def __init__(self, shape: _Shape, hydra_job: dict) -> None:
-        self.shape = shape
+    def __init__(self, sweep: _Sweep, spec: _LaunchSpec, hydra_job: dict) -> None:
+        self.sweep, self.spec = sweep, spec
         self.job_return = hydra_job["ret"]
-        self.children = _ChildRanks(Path(HydraConfig.get().runtime.output_dir))
-        self.going = False
+        self.children = _ChildRanks(Path(HydraConfig.get().runtime.output_dir), sweep.said)
+        self.abort = _StageAbort()
+        self.released = False  # the children were told to run the job (_GO_KEY)
         self.runs_task = True
         self.stages_announced = 0
-        self.signal_received: int | None = None
-        self.in_stage = False
-        self.aborted = False  # its process groups: a collective after that fails at once, never waits
-        self.aborted_for: int | None = None  # the child whose exit aborted them: no checkpoint after it
-        self.stage_lock = threading.Lock()  # no abort once the stage has ended
-        self.saved_env = {key: os.environ.get(key) for key in (*_RENDEZVOUS_ENV, *_NCCL_KEEPS_THE_PROCESS)}
-        self.store = _job_store(shape.address)
-        os.environ["MASTER_PORT"] = str(self.store.port)
-        self.signal_watch = _SignalWatch(self.end_on_signal)
+        self.closing = contextlib.ExitStack()
         atexit.register(self.close)  # a job that never reaches on_job_end (SystemExit) still ends
+        self.closing.callback(self._forget)
+        self.closing.callback(
+            _restore_environ,
+            {key: os.environ.get(key) for key in (*_RENDEZVOUS_ENV, *_NCCL_KEEPS_THE_PROCESS)},
+        )
+        self.store = sweep.new_store(spec.address)
+        os.environ["MASTER_PORT"] = str(self.store.port)
+        self.closing.callback(_SignalWatch(self.children.stop).close)
+        self.closing.callback(lambda: _destroy_process_group(aborted=self.abort.aborted))
+        self.closing.callback((self.children.job_dir / _LAUNCH_FILE).unlink, missing_ok=True)
+        self.closing.callback(self.children.end)
 
-    @classmethod
-    def start(cls, shape: _Shape) -> "_Job":
-        global _running_job
-        hydra_job = _hydra_job()
-        if hydra_job is None or not HydraConfig.initialized():
-            raise RankLaunchError(
-                "HydraDDP/HydraFSDP start child ranks from the running Hydra job's saved config, but no"
-                " Hydra job is running here. Call trainer.fit/validate/test/predict inside a Hydra task"
-                " function (@hydra.main, hydra_zen.zen or hydra_zen.launch), or use Lightning's own"
-                " strategy='ddp'/'fsdp' outside Hydra."
-            )
-        if _running_job is not None:  # a job Hydra never ended (it raised past run_job)
-            _running_job.close()
-        job = _running_job = cls(shape, hydra_job)
-        try:
-            _share_cpus(shape.world_size)
-            _follow_hydra(hydra_job["hydra_context"]).last_shape = shape
-            job.runs_task = _rank_launch(job.children, shape, job.store.port, hydra_job)
-            for key, value in _NCCL_KEEPS_THE_PROCESS.items():  # rank 0's own: the children keep torch's
-                if key.removeprefix("TORCH_") not in os.environ:  # nor set under its legacy name
-                    os.environ.setdefault(key, value)
-        except BaseException:
-            job.close()
-            raise
-        return job
+    def launch(self, hydra_job: dict) -> None:
+        _share_cpus(self.spec.world_size)
+        self.sweep.follow(hydra_job["hydra_context"]).last_spec = self.spec
+        self.runs_task = _rank_launch(self, hydra_job)
+        for key, value in _NCCL_KEEPS_THE_PROCESS.items():  # rank 0's own: the children keep torch's
+            if key.removeprefix("TORCH_") not in os.environ:  # nor set under its legacy name
+                os.environ.setdefault(key, value)
 
     def begin_stage(self, trainer: Any, call: dict) -> None:
-        """Before rank 0 runs a stage: children alive, going, told the stage (fallback), checked in."""
-        self.raise_if_any_failed()
+        """Before rank 0 runs a stage: children alive, released, told the stage (fallback), checked in."""
+        self.children.raise_if_any_exited()
         if not self.runs_task:
             stage = json.dumps(_stage_for_children(trainer, call))
             self.store.set(_STAGE_KEY.format(self.stages_announced), stage)
             self.stages_announced += 1
-        if not self.going:
+        if not self.released:
             self.store.set(_GO_KEY, "1")
-            self.going = True
+            self.released = True
             self.wait_until_checked_in()
 
     @contextlib.contextmanager
     def stage(self) -> Any:
-        """While rank 0 runs a stage: a child's failure aborts it (``abort_stage_of``), and then the stage
+        """While rank 0 runs a stage: a child's failure aborts it (``_StageAbort.abort``), and then the stage
         fails with the child's error even if the abort released rank 0 without one."""
-        with self.stage_lock:
-            self.in_stage = True
-        try:
+        with self.abort.stage():
             yield
-        finally:
-            with self.stage_lock:
-                self.in_stage = False
         self.raise_if_aborted()
 
-    def abort_stage_of(self, pid: int) -> None:
-        """A child exited with an error (heard on the fork server's thread): abort the process group of a
-        stage rank 0 runs, which NCCL would leave waiting for the dead rank until the group's timeout."""
-        rank = next((rank for rank, proc in list(self.children.items()) if proc.pid == pid), None)
-        with self.stage_lock:
-            if rank is not None and self.in_stage and not self.aborted:
-                self.aborted, self.aborted_for = True, rank
-                _abort_groups()
-
     def raise_if_aborted(self) -> None:
-        if self.aborted_for is not None:
-            self.end()
-            raise self.children.failure(self.aborted_for)
+        if self.abort.for_rank is not None:
+            self.children.end()
+            raise self.children.failure(self.abort.for_rank)
 
     def wait_until_checked_in(self) -> None:
         """Wait until every child is about to join the process group, failing fast if one cannot."""
-        keys = {rank: _CHECK_IN_KEY.format(rank) for rank in self.children}
+        keys = {rank: _CHECK_IN_KEY.format(rank) for rank in self.children.procs}
         if not _wait_until(
+            self.children.said,
             lambda: self.store.check(list(keys.values())) or len(self.children.running()) < len(keys),
-            self.shape.rank_timeout,
+            self.spec.rank_timeout,
         ):
             late = [rank for rank, key in keys.items() if not self.store.check([key])]
-            self.end()
+            self.children.end()
             raise ChildRankError(
-                f"Child rank(s) {late} did not reach the process group within {self.shape.rank_timeout:g} s"
+                f"Child rank(s) {late} did not reach the process group within {self.spec.rank_timeout:g} s"
                 f" and were ended. {self.children.describe(late[0])} Raise rank_timeout on the strategy"
                 " if they only start slowly."
             )
-        self.raise_if_any_failed()
+        self.children.raise_if_any_exited()
 
-    def raise_if_any_failed(self) -> None:
-        """While rank 0 runs the job's stages, every child must still be running."""
-        for rank, proc in self.children.items():
-            code = proc.poll()
-            if code is not None:
-                self.end()
-                if code != 0:
-                    raise self.children.failure(rank)
-                raise ChildRankError(
-                    f"Child rank {rank} finished the job's task function while rank 0 still runs it, at a"
-                    f" Trainer stage the child never reached: the task function took another path on that"
-                    f" rank. {self.children.describe(rank)}"
-                )
-
-    def failed(self, error: BaseException) -> BaseException:
+    def error_for(self, error: BaseException) -> BaseException:
         """The error a stage that raised on rank 0 fails the job with; the children are ended."""
-        if self.signal_received is None and isinstance(error, KeyboardInterrupt):
+        signum = self.children.stopped_by
+        if signum is None and isinstance(error, KeyboardInterrupt):
             # Ctrl-C, its handler first to run: the same stop as the signal thread's. (Lightning before
             # 2.3 swallows a KeyboardInterrupt, and the sweep would go on to its next job.)
-            self.signal_received = signal.SIGINT
-        if self.signal_received is not None:
-            error = SystemExit(128 + self.signal_received)
+            signum = signal.SIGINT
+        if signum is not None:
+            error = SystemExit(128 + signum)
         elif not isinstance(error, (ChildRankError, RankLaunchError, KeyboardInterrupt, SystemExit)):
             # a collective that failed because a child failed: the child's error is the job's
-            _wait_until(self.children.settled, _PEER_EXIT_GRACE)
-            self.aborted_for = self.children.failed()
-            if self.aborted_for is not None:
-                error = self.children.failure(self.aborted_for)
+            _wait_until(self.children.said, self.children.settled, _PEER_EXIT_GRACE)
+            self.abort.for_rank = self.children.first_failed()
+            if self.abort.for_rank is not None:
+                error = self.children.failure(self.abort.for_rank)
             else:  # rank 0's own error, or a collective that timed out on a child that hangs
-                self.note_ended_children(error)
-        self.end()
-        if not self.aborted:  # on NCCL, a collective of Lightning's exception hooks would wait for the ended
-            self.aborted = True
-            _abort_groups()
+                self.children.end_saying_where_they_stood(error)
+        self.children.end()
+        self.abort.abort()
         return error
 
     def finish(self, job_return: Any) -> None:
         """Hydra ended the job: check the children's exits (a late failure fails the job), clean up."""
         try:
-            if not self.going:  # started at the job's start, which then ran no stage: nor did they
+            if not self.released:  # started at the job's start, which then ran no stage: nor did they
                 return
             if job_return.status is JobStatus.COMPLETED:
                 if not self.runs_task:
                     self.store.set(_STAGE_KEY.format(self.stages_announced), "null")
                 # a child still in a collective with rank 0 now fails at once, instead of waiting
                 _destroy_process_group()
-                failure = self.wait_until_exited()
+                failure = self.children.wait_until_exited(self.spec.rank_timeout)
                 if failure is not None:
                     job_return.status = JobStatus.FAILED
                     job_return.return_value = failure
             else:  # rank 0 failed outside a stage; the public getter would print Hydra's error line again
-                self.note_ended_children(getattr(job_return, "_return_value", None))
+                self.children.end_saying_where_they_stood(getattr(job_return, "_return_value", None))
         finally:
             self.close()
 
-    def wait_until_exited(self) -> ChildRankError | None:
-        """Wait for every child to finish the job: the job's error if one failed or would not."""
-        if not _wait_until(self.children.settled, self.shape.rank_timeout):
-            late = self.children.running()
-            self.end()
-            return ChildRankError(
-                f"Child rank(s) {late} were still running {self.shape.rank_timeout:g} s after rank 0"
-                f" finished the job and were ended. {self.children.describe(late[0])}"
-            )
-        failed = self.children.failed()
-        return None if failed is None else self.children.failure(failed)
-
-    def note_ended_children(self, error: BaseException | None) -> None:
-        """Have every running child dump its stack to its log, then say so under rank 0's error."""
-        running = self.children.running()
-        if not running:
-            return
-        for rank in running:
-            self.children[rank].send_signal(_STACK_DUMP_SIGNAL)
-        time.sleep(_STACK_DUMP_WAIT)
-        self.end()
-        _add_note(
-            error,
-            "Rank 0 failed while these child ranks were still running; they were ended:\n"
-            + "\n".join(self.children.describe(rank) for rank in running),
-        )
-
-    def end_on_signal(self, signum: int) -> None:
-        """SIGTERM or SIGINT reached rank 0: end the children now, from whichever thread."""
-        self.signal_received = signum
-        for proc in self.children.values():
-            proc.kill()
-
-    def end(self) -> None:
-        """SIGKILL every child still running and reap it: a rank stuck in a collective ignores less."""
-        for proc in self.children.values():
-            proc.kill()
-        for proc in self.children.values():
-            proc.wait()
-
     def close(self) -> None:
-        global _running_job
+        self.closing.close()
+
+    def _forget(self) -> None:
         atexit.unregister(self.close)
-        self.end()
-        (self.children.job_dir / _LAUNCH_FILE).unlink(missing_ok=True)
-        _destroy_process_group(aborted=self.aborted)
-        self.signal_watch.close()
-        for key, value in self.saved_env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        if _running_job is self:
-            _running_job = None
-        if self.aborted and torch.cuda.is_initialized():
+        if self.sweep.job is self:
+            self.sweep.job = None
+        if self.abort.aborted and torch.cuda.is_initialized():
             try:  # a peer that died mid-transfer (NVLink), or rank 0's own fault, can leave it broken
                 torch.cuda.synchronize()
             except RuntimeError as error:
@@ -876,89 +976,21 @@ class _Job:
                 ) from error
 
 
-# The ports of the stores this process made, one a job (see _job_store).
-_store_ports: set = set()
-
-
-def _job_store(address: str) -> torch.distributed.TCPStore:
-    """A job's store, where children check in and which torch's init_process_group reuses.
-
-    On port 0: the OS picks a port nobody holds, and we hold it until the job ends. But never on a
-    port an earlier job of this process had: torch looks the store to reuse (``multi_tenant``) up
-    by port in a cache where an earlier job's dead store hides this one, and init_process_group
-    then fails with EADDRINUSE. The OS does offer a port again: here after 6 to 160 jobs.
-    """
-    refused = []  # held until a new port is found, so that the OS offers another
-    while True:
-        store = torch.distributed.TCPStore(
-            address, 0, is_master=True, multi_tenant=True, wait_for_workers=False
-        )
-        if store.port not in _store_ports:
-            _store_ports.add(store.port)
-            return store
-        refused.append(store)
-
-
-class _FollowHydra(Callback):
-    """Added to the running Hydra's callbacks: its start of a job starts the job's ranks if the
-    previous job had ranks (``last_shape``), its end of a job ends them and lets go of what the job
-    held (if these strategies ran it: ``ran``), and its end of the run or sweep ends the fork server."""
-
-    last_shape: _Shape | None = None
-    ran: Any = None  # the JobReturn of the last job a strategy of this file ran a stage of
-    froze = False
-
-    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
-        # What was alive before the job, frozen meanwhile, is not scanned by its end's collection (a
-        # full one over torch and Lightning takes most of a second). Not where someone froze objects
-        # of their own (before forking DataLoader workers, say): unfreezing would undo it.
-        if gc.get_freeze_count() == 0:  # (frozen still if the last job raised past its end: SystemExit)
-            gc.freeze()
-            self.froze = True
-        # not with a fork server that failed to start: its first stage would wait for one again
-        if self.last_shape is not None and _fork_server is not None and _fork_server.proc.poll() is None:
-            with contextlib.suppress(Exception):  # the job's first stage starts it again, and reports it
-                _Job.start(self.last_shape)
-
-    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
-        if _running_job is not None and _running_job.job_return is job_return:
-            _running_job.finish(job_return)
-        if self.ran is job_return:
-            self.ran = None
-            _let_go_of_the_job(job_return)
-        if self.froze:
-            gc.unfreeze()
-            self.froze = False
-
-    def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
-        _close_fork_server()
-
-    on_multirun_end = on_run_end
-
-
-def _follow_hydra(hydra_context: Any) -> _FollowHydra:
-    # Hydra's Callbacks object (private) is the only way to its job ends without the user's config.
-    callbacks = getattr(getattr(hydra_context, "callbacks", None), "callbacks", None)
-    if not isinstance(callbacks, list):
-        raise _upstream_changed(
-            "hydra_context.callbacks.callbacks, a list", "follow the ends of Hydra's jobs"
-        )
-    follower = next((callback for callback in callbacks if isinstance(callback, _FollowHydra)), None)
-    if follower is None:
-        follower = _FollowHydra()
-        callbacks.append(follower)
-    return follower
+def _restore_environ(saved: dict) -> None:
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 class _SignalWatch:
     """End the job's children the moment SIGTERM or SIGINT reaches rank 0, however busy it is.
 
-    Python runs a signal handler only once the main thread is back in the interpreter, which a
-    rank 0 blocked in a collective on a hung child never is. The C-level handler writes every
-    signal to the wakeup fd at once, though: this thread reads it and ends the children, the
-    collective fails, and the main thread runs the handlers (ours raises SystemExit, unless the
-    program has its own).
-    """
+    Python runs a signal handler only once the main thread is back in the interpreter, which a rank 0
+    blocked in a collective on a hung child never is. The C-level handler writes every signal to the
+    wakeup fd at once: this thread reads it and ends the children, the collective fails, and the main
+    thread runs the handlers (ours raises SystemExit, unless the program has its own)."""
 
     def __init__(self, on_signal: Callable[[int], None]) -> None:
         self.thread: threading.Thread | None = None
@@ -1004,9 +1036,8 @@ def _raise_system_exit(signum: int, frame: Any) -> None:
 
 
 def _share_cpus(num_processes: int) -> None:
-    """Split the CPUs among a job's ranks, as Lightning's own launcher does (its children inherit
-    OMP_NUM_THREADS): N ranks each running a thread pool as large as the machine fight over every
-    step. A value the user set stands."""
+    """Split the CPUs among a job's ranks, as Lightning's launcher does: N ranks each running a thread pool
+    as large as the machine fight over every step. A value the user set stands."""
     if "OMP_NUM_THREADS" not in os.environ:
         threads = max(1, len(os.sched_getaffinity(0)) // num_processes)
         torch.set_num_threads(threads)
@@ -1037,17 +1068,14 @@ def _destroy_process_group(aborted: bool = False) -> None:
             )
         abort(torch.distributed.group.WORLD)
     if torch.distributed.is_initialized():
-        # Hold the group's backends while it is destroyed, and let go of them after: their last
-        # reference then goes with the GIL released. torch < 2.4 frees the group itself holding the
-        # GIL, and gloo's destructor waits for its worker threads; a worker still freeing a finished
-        # collective whose tensor Python already let go of needs the GIL for it: both wait forever
-        # (a job's end hung in 6 of 20 fit-then-test runs on torch 2.3).
+        # Hold the group's backends while it is destroyed, their last reference then goes with the GIL
+        # released. torch < 2.4 frees the group holding the GIL, and gloo's destructor waits for a worker
+        # that needs the GIL to free a finished collective: both wait forever (6 of 20 runs, torch 2.3).
         backends = _backends_of(torch.distributed.group.WORLD)
         torch.distributed.destroy_process_group()
         del backends
-    # An init_process_group that failed (a rank died during the rendezvous) counted a group it never
-    # made, and torch names the next default group by that count (private: nothing public resets
-    # it): the next job's rank 0 would wait for keys of group "1" while its fresh children write "0".
+    # A failed init_process_group (a rank died in the rendezvous) counted a group it never made, and the
+    # next job's rank 0 would wait for keys of group "1" while its children write "0" (nothing public resets it).
     world = getattr(torch.distributed.distributed_c10d, "_world", None)
     if not isinstance(getattr(world, "group_count", None), int):
         raise _upstream_changed(
@@ -1057,12 +1085,10 @@ def _destroy_process_group(aborted: bool = False) -> None:
 
 
 def _abort_groups() -> None:
-    """Abort the communicators of the process groups, from any thread, with what this torch has:
-    ``ProcessGroup.abort`` of every group (>= 2.7: FSDP's hybrid shards and a DeviceMesh have groups
-    of their own), else the default group's NCCL ``abort`` (2.6) or ``_shutdown`` (2.3-2.5, where it
-    aborts; their NCCL aborts one communicator safely, not several). Gloo has none and needs none:
-    it fails a collective on a dead peer by itself. Raises nothing of its own: it runs on the fork
-    server's thread."""
+    """Abort the process groups' communicators, from any thread, with what this torch has: ``abort`` of
+    every group (>= 2.7: FSDP's hybrid shards and a DeviceMesh have groups of their own), else the
+    default group's NCCL ``abort`` (2.6) or ``_shutdown`` (2.3-2.5, safe on one communicator only).
+    Gloo needs none: it fails a collective on a dead peer by itself. Raises nothing of its own."""
     world = torch.distributed.group.WORLD
     if hasattr(world, "abort"):
         registry = getattr(torch.distributed.distributed_c10d, "_world", None)
@@ -1083,38 +1109,31 @@ def _backends_of(group: Any) -> list:
 
 
 def _end_process_groups_at_exit() -> None:
-    """Destroy the process group, and let go of every one, while the interpreter is still whole.
-
-    Destroying alone leaves gloo's threads running while anything holds a group (an FSDP module
-    does, in a reference cycle), and at interpreter exit they abort the process (``terminate
-    called without an active exception``, SIGABRT) after a sweep that finished. Collecting the
-    cycles ends them; frozen then, the rest is not scanned again by the exit's collections (a
-    second). A child rank leaves by ``os._exit``.
-    """
+    """Destroy the process group, and let go of every one, while the interpreter is still whole: gloo's
+    threads, alive while anything holds a group (an FSDP module does, in a cycle), abort the process at
+    exit (SIGABRT, ``terminate called without an active exception``). Frozen then, the rest is not
+    scanned again by the exit's collections (a second). A child rank leaves by ``os._exit``."""
     _destroy_process_group()
     gc.collect()
     gc.freeze()
 
 
-def _let_go_of_the_job(job_return: Any) -> None:
-    """Free what the job that just ended held here: every later job of the sweep runs in this process.
-
-    What stays is cyclic garbage (a Trainer and its module), FSDP's flat parameters (``_cut_loose``)
-    and a failed job's traceback, which Hydra keeps to the sweep's end with the error: its frames hold
-    the module and optimizer (on a GPU, one job out of memory and every later one would be). Nothing
-    the user's code can reach is emptied: a module the task function returned keeps its weights.
-    """
+def _let_go_of_the_job(job_return: Any, wrapped: list) -> None:
+    """Free what the job that just ended held here, where every later job runs: cyclic garbage (a Trainer
+    and its module), the FSDP wrappers' flat parameters, and a failed job's traceback, which Hydra keeps
+    with the error: its frames hold the module and optimizer (on a GPU, one job out of memory and every
+    later one would be). What the user's code can reach (a module the task returned) is left whole."""
     error = getattr(job_return, "_return_value", None) if job_return.status is JobStatus.FAILED else None
     while isinstance(error, BaseException) and error.__traceback__ is not None:  # the error, its causes
-        # Its text stays. (From Python 3.11 clearing the frames is not enough: a cleared frame holds its
-        # function, and a closure what it captured, such as Lightning's trainer.)
+        # Its text stays. (Clearing the frames is not enough from Python 3.11: a cleared frame holds its
+        # function, and a closure what it captured: Lightning's trainer.)
         _add_note(
             error, "Traceback (most recent call last):\n" + "".join(traceback.format_tb(error.__traceback__))
         )
         error.__traceback__ = None
         error = error.__cause__ or error.__context__
-    while _wrapped_this_job:
-        _cut_loose(_wrapped_this_job.pop())
+    while wrapped:  # the FSDP wrappers the job built
+        _free_flat_parameters(wrapped.pop())
     gc.collect()
     if torch.cuda.is_initialized():
         torch.cuda.empty_cache()
@@ -1138,13 +1157,9 @@ def _add_note(error: BaseException, note: str) -> None:
 
 
 class _HydraRankLauncher:
-    """Start a job's child ranks from the job's saved config, never from ``sys.argv``.
-
-    Unlike Lightning's ``_SubprocessScriptLauncher`` its children run the Hydra job's task
-    function, live as long as the job (every stage after the first finds them running), and a
-    failed rank is reported as its job's error instead of killing the whole process (which,
-    under ``--multirun``, is the sweep).
-    """
+    """Start a job's child ranks from the job's config, never from ``sys.argv``: unlike Lightning's
+    ``_SubprocessScriptLauncher``'s, they run the Hydra job's task function, live as long as the job,
+    and a failed rank fails its job instead of killing the process (under ``--multirun``, the sweep)."""
 
     def __init__(self, strategy: "_HydraStrategy") -> None:
         self.strategy = strategy
@@ -1160,7 +1175,7 @@ class _HydraRankLauncher:
         env = strategy.cluster_environment
         hydra_job = _hydra_job()
         if hydra_job is not None and "ret" in hydra_job:  # a long-lived process of the sweep: not a child
-            _follow_hydra(hydra_job["hydra_context"]).ran = hydra_job["ret"]
+            _sweep.follow(hydra_job["hydra_context"]).ran = hydra_job["ret"]
         if env.creates_processes_externally:  # a child rank we started, or torchrun / SLURM
             if _CHILD_ENV in os.environ:
                 _child_store().set(_CHECK_IN_KEY.format(os.environ["LOCAL_RANK"]), "1")
@@ -1173,34 +1188,25 @@ class _HydraRankLauncher:
                 f"num_nodes={strategy.num_nodes}, but HydraDDP/HydraFSDP start child ranks on one node"
                 " only. Across nodes, let torchrun or SLURM start every rank."
             )
-        shape = _Shape.of(strategy)
-        job = _running_job
-        if job is not None and job.job_return is not (hydra_job or {}).get("ret"):
-            job = None
-        if job is not None and job.shape != shape:
-            if job.going:
-                raise RankLaunchError(
-                    f"This job's ranks were started for a world size of {job.shape.world_size}, and a"
-                    f" Trainer of the same job now asks for {shape.world_size}. Give every Trainer of one"
-                    " job the same devices, num_nodes and strategy arguments."
-                )
-            job.close()  # started at the job's start, like the last job: this one is not alike
-            job = None
-        job = job or _Job.start(shape)
+        lightning, address = strategy._lightning.__name__, env.main_address
+        spec = _LaunchSpec(
+            strategy.world_size, address, lightning, strategy.rank_timeout, **strategy._config_keys
+        )
+        job = _sweep.job_for(spec, hydra_job)
         try:
             job.begin_stage(trainer, call)
             with job.stage():
                 return function(*args, **kwargs)
         except BaseException as error:
-            job_error = job.failed(error)
+            job_error = job.error_for(error)
             if job_error is error:
                 raise
             raise job_error from error
 
     def kill(self, signum: int) -> None:
         """Called by Lightning's SIGTERM handler: the job, and with it the sweep, is to stop."""
-        if _running_job is not None:
-            _running_job.end_on_signal(signum)
+        if _sweep.job is not None:
+            _sweep.job.children.stop(signum)
 
 
 def _check_launched_world_size(num_nodes: int, devices: int) -> None:
@@ -1220,36 +1226,30 @@ def _check_launched_world_size(num_nodes: int, devices: int) -> None:
 
 
 def _check_ranks_agree(strategy: "_HydraStrategy") -> None:
-    """Fail the stage on every rank if the ranks are about to run different things.
-
-    Ranks that build different trainers (a callback on rank 0 alone) run different collectives
-    and deadlock; ranks that resolve different configs (a ``${now:...}`` a second apart under
-    torchrun) split one job. Once the process group is up, before the stage's first step, they
-    compare what they are about to run.
-    """
+    """Fail the stage on every rank if the ranks are about to run different things, once the process group
+    is up: ranks that build different trainers (a callback on rank 0 alone) run different collectives
+    and deadlock; ranks that resolve different configs (a ``${now:...}`` under torchrun) split one job."""
     mine = _flat(_what_this_rank_runs(strategy))
     everyone: list = [None] * strategy.world_size
     torch.distributed.all_gather_object(everyone, mine)
-    differing = sorted(
-        {
-            key
-            for theirs in everyone
-            for key in mine.keys() | theirs.keys()
-            if mine.get(key) != theirs.get(key)
-        }
-    )
+    keys = {key for ran in everyone for key in ran}
+    differing = sorted(key for key in keys if any(ran.get(key) != mine.get(key) for ran in everyone))
     if not differing:
         return
-    shown = [
+
+    def shown(value: Any) -> str:
+        return "[" + ", ".join(value) + "]" if isinstance(value, list) else repr(value)
+
+    differences = [
         f"  {key}: "
-        + ", ".join(f"rank {rank} {_shown(ran.get(key, '<missing>'))}" for rank, ran in enumerate(everyone))
+        + ", ".join(f"rank {rank} {shown(ran.get(key, '<missing>'))}" for rank, ran in enumerate(everyone))
         for key in differing[:_DIFFERENCES_SHOWN]
     ]
     more = len(differing) - _DIFFERENCES_SHOWN
     raise RankLaunchError(
         f"The ranks of this job are about to run different things in trainer.{mine['stage']}(), and"
         " would deadlock on their first different collective; they disagree on it:\n"
-        + "\n".join(shown)
+        + "\n".join(differences)
         + (f"\n  ... and {more} more" if more > 0 else "")
         + "\nBuild the same trainer, module and data on every rank (no `if rank == 0` around callbacks or"
         " loggers). Under torchrun or SLURM every process resolves the config itself: no ${now:...} or"
@@ -1267,18 +1267,13 @@ def _what_this_rank_runs(strategy: "_HydraStrategy") -> dict:
         (name, tuple(p.shape) if full else "sharded", str(p.dtype)) for name, p in module.named_parameters()
     ]
     hydra_job = _hydra_job()
+    settings = ["max_epochs", "max_steps", "accumulate_grad_batches", "precision"]
+    settings += [f"limit_{loop}_batches" for loop in ("train", "val", "test", "predict")]
     return {
         "stage": trainer.state.fn.value,
         "callbacks": sorted(type(callback).__qualname__ for callback in trainer.callbacks),
         "loggers": sorted(type(logger).__qualname__ for logger in trainer.loggers),
-        **{
-            name: getattr(trainer, name)
-            for name in ("max_epochs", "max_steps", "accumulate_grad_batches", "precision")
-        },
-        **{
-            f"limit_{loop}_batches": getattr(trainer, f"limit_{loop}_batches")
-            for loop in ("train", "val", "test", "predict")
-        },
+        **{name: getattr(trainer, name) for name in settings},
         "module": type(module).__qualname__,
         "module parameters": f"{len(shapes)} tensors"
         + (f" of {sum(p.numel() for p in module.parameters())} values" if full else " (sharded)")
@@ -1299,10 +1294,6 @@ def _flat(tree: Any, prefix: str = "") -> dict:
     if isinstance(tree, list) and tree and not all(isinstance(item, str) for item in tree):
         return {k: v for i, item in enumerate(tree) for k, v in _flat(item, f"{prefix}{i}.").items()}
     return {prefix.rstrip("."): tree}
-
-
-def _shown(value: Any) -> str:
-    return "[" + ", ".join(value) + "]" if isinstance(value, list) else repr(value)
 
 
 # --------------------------------------------------------------------------- the strategies
@@ -1397,8 +1388,9 @@ class _HydraStrategy:
         return True
 
     def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
-        if _running_job is not None:  # never a checkpoint of a stage whose process group was aborted
-            _running_job.raise_if_aborted()
+        job = _sweep.job
+        if job is not None:  # never a checkpoint of a stage whose process group was aborted
+            job.raise_if_aborted()
         super().save_checkpoint(*args, **kwargs)
 
 
@@ -1417,7 +1409,7 @@ class _HydraFSDP(_HydraStrategy):
         # wrap its shards again and break it (Lightning issue #19015).
         if not self._holds_sharded(model):
             self._sharded = self._wrapped(model)
-            _wrapped_this_job.append(self._sharded)
+            _sweep.wrapped.append(self._sharded)
         return self._sharded
 
     def _holds_full_parameters(self) -> bool:
@@ -1456,27 +1448,24 @@ class _HydraFSDP(_HydraStrategy):
             return self.model.state_dict()
 
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any = None) -> None:
-        # An nn.Module kept in the hyperparameters (save_hyperparameters() of a `net` argument) is pickled as
-        # it stands: sharded, rank 0's flat shard and empty tensors, which no loader can put back into a
-        # module. For a full checkpoint rank 0 pickles it holding the full state dict's tensors, stored
-        # once, as in DDP's file; a sharded one's metadata, gathered whole.
+        # An nn.Module kept in the hyperparameters (save_hyperparameters() of a `net`) would be pickled
+        # sharded, which no loader can put back: a full checkpoint's holds the full state dict's tensors
+        # (stored once, as in DDP's file), a sharded one's metadata the gathered parameters.
         modules = _modules_in(checkpoint.get("hyper_parameters"))
         if not modules:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         if self._state_dict_type == "full":
-            with _holding(modules, checkpoint["state_dict"], self.lightning_module):
+            with _unsharded_while_pickled(modules, checkpoint["state_dict"], self.lightning_module):
                 return super().save_checkpoint(checkpoint, filepath, storage_options)
         summon_full_params = _fsdp().FullyShardedDataParallel.summon_full_params
         with summon_full_params(self.model, writeback=False, rank0_only=True):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, **kwargs: Any) -> dict:
-        """Load a checkpoint HydraFSDP or HydraDDP wrote, in the layout Lightning's FSDP writes. A full
-        one is loaded memory-mapped, not through Lightning's lazy loader, which cannot rebuild a Parameter
-        pickled in the hyperparameters: mapped, a rank reads a tensor's pages only as it copies its shard,
-        and the ranks share those pages -- what lazy loading was for. A sharded one (a directory) is loaded
-        as Lightning does, but also with an optimizer that holds no per-parameter state (SGD without
-        momentum), whose empty state the shards drop."""
+        """Load a checkpoint HydraFSDP or HydraDDP wrote. A full one memory-mapped, not by Lightning's lazy
+        loader, which cannot rebuild a Parameter pickled in the hyperparameters: a rank reads a tensor's
+        pages only as it copies its shard, and the ranks share them. A sharded one (a directory) as
+        Lightning does, but also with an optimizer without per-parameter state, which the shards drop."""
         path = Path(self.broadcast(checkpoint_path))
         weights_only = kwargs.get("weights_only")  # Lightning's default, None, is torch.load's default
         fitting = self.lightning_module.trainer.state.fn == "fit"
@@ -1544,15 +1533,10 @@ class _HydraFSDP(_HydraStrategy):
         return self._state_dict_type == "full" and self.root_device.type == "cpu"
 
 
-# The FSDP wrappers the running job built, for its end to cut their flat parameters loose.
-_wrapped_this_job: list = []
-
-
-def _cut_loose(wrapper: torch.nn.Module) -> None:
-    """Let the flat parameters of ``wrapper`` be freed once nothing else holds them: a flat parameter
-    refers to the modules it flattened (torch >= 2.13), whose weights are views of it, and to a hook a
-    failed step left on its gradient's node, which holds the module; both edges back go through C++,
-    where Python's gc cannot see a cycle. The tensors themselves stay, for whoever still holds them."""
+def _free_flat_parameters(wrapper: torch.nn.Module) -> None:
+    """Let the flat parameters of ``wrapper`` be freed once nothing else holds them: a flat parameter refers
+    to the modules it flattened (torch >= 2.13), whose weights are views of it, and to a hook a failed
+    step left on its gradient's node; both edges back go through C++, where Python's gc sees no cycle."""
     for unit in _fsdp().FullyShardedDataParallel.fsdp_modules(wrapper):
         flat_param = getattr(getattr(unit, "_handle", None), "flat_param", None)
         if flat_param is None and hasattr(unit, "_handle"):
@@ -1583,11 +1567,10 @@ def _modules_in(value: Any) -> list:
 
 
 @contextlib.contextmanager
-def _holding(modules: list, state_dict: dict, root: torch.nn.Module) -> Any:
-    """While the checkpoint is pickled, give ``modules`` (submodules of ``root``) what DDP's would hold:
-    each FSDP unit inside them as the module it wraps (a unit holds process groups, which do not pickle),
-    and each parameter as the tensor of rank 0's full ``state_dict`` (empty on the other ranks, which
-    pickle nothing)."""
+def _unsharded_while_pickled(modules: list, state_dict: dict, root: torch.nn.Module) -> Any:
+    """While the checkpoint is pickled, give ``modules`` (submodules of ``root``) what DDP's would hold: each
+    FSDP unit inside them as the module it wraps (a unit's process groups do not pickle), each parameter
+    as the tensor of rank 0's full ``state_dict`` (empty on the other ranks, which pickle nothing)."""
     undo = []
     try:
         for parent in [inner for module in modules for inner in module.modules()]:
@@ -1673,7 +1656,7 @@ def _namespace_in_use() -> str:
     )
 
 
-class _OfTheLightningInUse(type):
+class _OfTheLightningImported(type):
     """``hydra_fsdp.HydraDDP(...)`` builds ``hydra_fsdp.<namespace>.HydraDDP(...)`` of the Lightning
     in use, and any namespace's one is an instance of it."""
 
@@ -1688,7 +1671,7 @@ class _OfTheLightningInUse(type):
         )
 
 
-class HydraDDP(metaclass=_OfTheLightningInUse):
+class HydraDDP(metaclass=_OfTheLightningImported):
     """Lightning's ``DDPStrategy``, with every child rank running the Hydra job's own task function;
     ``hydra_fsdp.HydraDDP`` builds the one of the Lightning your program imported.
 
@@ -1699,7 +1682,7 @@ class HydraDDP(metaclass=_OfTheLightningInUse):
     """
 
 
-class HydraFSDP(metaclass=_OfTheLightningInUse):
+class HydraFSDP(metaclass=_OfTheLightningImported):
     """Lightning's ``FSDPStrategy``, started like HydraDDP (the same extra arguments), and able to shard on
     CPU over gloo; ``hydra_fsdp.HydraFSDP`` builds the one of the Lightning your program imported."""
 

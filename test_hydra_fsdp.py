@@ -10,6 +10,8 @@ import re
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import NamedTuple
@@ -97,7 +99,7 @@ def launch_with_mocked_children(
         except BaseException as e:  # noqa: BLE001 - the job's error is what we test
             error = e
         finally:
-            hydra_fsdp._fork_server = None
+            hydra_fsdp._sweep.fork_server = None
     return Launched(popen, start, sleep, tmp_path / "job", error, (launches or [None])[0])
 
 
@@ -133,7 +135,7 @@ def test_rank_launch_command_env_cwd_and_stagger(tmp_path, strategy):
     assert run.start.return_value.kill.called
     for key in hydra_fsdp._RENDEZVOUS_ENV:
         assert key not in os.environ
-    assert hydra_fsdp._running_job is None and not torch.distributed.is_initialized()
+    assert hydra_fsdp._sweep.job is None and not torch.distributed.is_initialized()
 
 
 def test_the_fork_server_is_started_once_clean_of_the_job(tmp_path):
@@ -200,7 +202,7 @@ def test_bad_stagger_fails_before_any_start(tmp_path, value):
     assert hydra_fsdp.LAUNCH_DELAY_ENV in str(run.error) and repr(value) in str(run.error)
     run.popen.assert_not_called()
     run.start.assert_not_called()
-    assert hydra_fsdp._running_job is None
+    assert hydra_fsdp._sweep.job is None
 
 
 def test_output_subdir_null_launches_from_the_job_dir_and_makes_no_hydra_dir(tmp_path):
@@ -309,7 +311,7 @@ def test_a_job_store_is_never_on_a_port_an_earlier_job_had():
     # multi-tenant stores then still holds the earlier job's dead one for that port, hides the new
     # one, and the lookup init_process_group makes starts a second server there: EADDRINUSE.
     real_store = torch.distributed.TCPStore
-    earlier = hydra_fsdp._job_store("127.0.0.1")
+    earlier = hydra_fsdp._sweep.new_store("127.0.0.1")
     port = earlier.port
     del earlier
 
@@ -327,7 +329,7 @@ def test_a_job_store_is_never_on_a_port_an_earlier_job_had():
         "TCPStore",
         side_effect=lambda *a, **k: next(offers, real_store)(*a, **k),
     ) as made:
-        store = hydra_fsdp._job_store("127.0.0.1")
+        store = hydra_fsdp._sweep.new_store("127.0.0.1")
     assert made.call_count == 2 and store.port != port
     lookup = real_store("127.0.0.1", store.port, is_master=True, multi_tenant=True, wait_for_workers=False)
     lookup.set("job", "mine")
@@ -427,7 +429,7 @@ def test_guard_run_job_locals(monkeypatch):
 def test_guard_hydra_callbacks_list():
     hydra_context = SimpleNamespace(callbacks=SimpleNamespace(callback_list=[]))  # renamed upstream
     with pytest.raises(RankLaunchError, match=r"hydra_context\.callbacks\.callbacks.*" + UPSTREAM_CHANGED):
-        hydra_fsdp._follow_hydra(hydra_context)
+        hydra_fsdp._sweep.follow(hydra_context)
 
 
 def test_guard_hydra_config_assignment(monkeypatch):
@@ -489,11 +491,11 @@ def test_guard_fsdp_wrapped_module_name():
     state_dict = {"net._fsdp_v2_wrapped.weight": net.weight, "net._fsdp_v2_wrapped.bias": net.bias}
     with (
         pytest.raises(RankLaunchError, match=r"FSDP's name for a wrapped module.*" + UPSTREAM_CHANGED),
-        hydra_fsdp._holding([net], state_dict, root),
+        hydra_fsdp._unsharded_while_pickled([net], state_dict, root),
     ):
         pass
     full = {"net.weight": torch.ones(1, 2), "net.bias": torch.zeros(1)}
-    with hydra_fsdp._holding([net], full, root):
+    with hydra_fsdp._unsharded_while_pickled([net], full, root):
         assert torch.equal(net.weight, full["net.weight"])
     assert not torch.equal(net.weight.data, full["net.weight"]), "the module's own tensors are back"
 
@@ -575,10 +577,56 @@ def test_the_floors_agree_in_pyproject_the_floor_stack_and_the_module():
 def test_a_keyboard_interrupt_in_a_stage_stops_the_sweep_as_sigint_does():
     # Ctrl-C's handler can run before the signal thread sees it; Lightning < 2.3 then swallows the
     # KeyboardInterrupt, and without this the sweep went on to its next job
-    job = mock.Mock(signal_received=None)
-    error = hydra_fsdp._Job.failed(job, KeyboardInterrupt())
+    job = mock.Mock()
+    job.children.stopped_by = None
+    error = hydra_fsdp._Job.error_for(job, KeyboardInterrupt())
     assert isinstance(error, SystemExit) and error.code == 128 + signal.SIGINT
-    job.end.assert_called_once_with()
+    job.children.end.assert_called_once_with()
+
+
+def test_a_child_that_outlives_sigkill_is_not_waited_for_forever(tmp_path, monkeypatch, caplog):
+    # How a child in uninterruptible sleep (a hung driver, a dead file system) looks from rank 0: SIGKILL
+    # sent, and the fork server never reports its exit. Rank 0 is the sweep: it may wait, but not forever.
+    monkeypatch.setattr(hydra_fsdp, "_KILL_WAIT", 0.2)
+    sleeper = subprocess.Popen(["sleep", "60"])
+    server = SimpleNamespace(exit_codes={}, lost=False, said=threading.Condition())  # it never says
+    children = hydra_fsdp._ChildRanks(tmp_path, server.said)
+    children.add(1, hydra_fsdp._ForkedChild(server, sleeper.pid))
+    try:
+        ending = threading.Thread(target=children.end, daemon=True)
+        ending.start()
+        ending.join(timeout=10)
+        assert not ending.is_alive(), "rank 0 waits without a bound for a child that outlived SIGKILL"
+        assert sleeper.wait(timeout=5) == -signal.SIGKILL, "it was sent SIGKILL all the same"
+        assert f"child rank 1 (pid {sleeper.pid}) is still there" in caplog.text
+        started = time.monotonic()
+        children.end()  # the job's later ends do not wait for it again
+        assert time.monotonic() - started < 0.1
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_a_signal_while_children_are_being_started_ends_every_one(tmp_path):
+    # The signal thread kills the children while _rank_launch, on the main thread, adds the next one.
+    first, second = mock.Mock(pid=101), mock.Mock(pid=102)
+    children = hydra_fsdp._ChildRanks(tmp_path, threading.Condition())
+    children.add(1, first)
+    adding = threading.Thread(target=children.add, args=(2, second))
+
+    def rank_2_added_meanwhile():
+        adding.start()
+        adding.join(timeout=0.5)  # added now, unless the signal's end holds it off until it is done
+
+    first.kill.side_effect = rank_2_added_meanwhile
+    errors = []
+    signal_thread = threading.Thread(target=lambda: errors.append(children.stop(signal.SIGTERM)))
+    signal_thread.start()
+    signal_thread.join(timeout=5)
+    adding.join(timeout=5)
+    assert errors == [None], "the signal's end of the children raised (dictionary changed size?)"
+    second.kill.assert_called_with()  # the rank started as the signal came is ended too
+    assert children.stopped_by == signal.SIGTERM
 
 
 # --------------------------------------------------------------------------- long sweeps
@@ -635,7 +683,7 @@ def test_the_abort_is_the_one_this_torch_has(monkeypatch):
 
 def test_rank0_cuda_unusable_after_an_abort_stops_the_sweep_saying_why(tmp_path, monkeypatch):
     def aborted(job, *args):
-        job.aborted = True
+        job.abort.aborted = True
         raise _StopAfterSpawn
 
     def broken():
@@ -648,7 +696,7 @@ def test_rank0_cuda_unusable_after_an_abort_stops_the_sweep_saying_why(tmp_path,
     assert isinstance(run.error, SystemExit), "Hydra's callbacks warn of an Exception, and the sweep goes on"
     assert "rank 0's CUDA is unusable after this job failed" in str(run.error.code)
     assert "illegal memory access" in str(run.error.code) and "start the process again" in str(run.error.code)
-    assert hydra_fsdp._running_job is None and not torch.distributed.is_initialized()
+    assert hydra_fsdp._sweep.job is None and not torch.distributed.is_initialized()
 
 
 def test_guard_fsdp_flat_param(monkeypatch):
@@ -656,7 +704,7 @@ def test_guard_fsdp_flat_param(monkeypatch):
     fsdp = hydra_fsdp._fsdp().FullyShardedDataParallel
     monkeypatch.setattr(fsdp, "fsdp_modules", staticmethod(lambda module: [unit]))
     with pytest.raises(RankLaunchError, match=r"FlatParamHandle\.flat_param.*" + UPSTREAM_CHANGED):
-        hydra_fsdp._cut_loose(torch.nn.Linear(1, 1))
+        hydra_fsdp._free_flat_parameters(torch.nn.Linear(1, 1))
 
 
 def test_guard_torch_abort_process_group(monkeypatch):
@@ -670,7 +718,7 @@ def test_guard_torch_abort_process_group(monkeypatch):
 def test_a_job_end_scans_only_the_jobs_objects_and_leaves_a_users_freeze_alone():
     import gc
 
-    follower = hydra_fsdp._FollowHydra()
+    follower = hydra_fsdp._Sweep()
     assert gc.get_freeze_count() == 0
     follower.on_job_start(config=None)
     assert gc.get_freeze_count() > 0, "what the job found alive is frozen while it runs"

@@ -140,7 +140,7 @@ def test_child_killed_mid_fit_aborts_the_group_and_fails_its_job_in_seconds(app,
     assert "communicator was aborted" in proc.text()
     assert not checkpoints(app / "sweep" / "0"), "no checkpoint of a job whose group was aborted"
     # Lightning tried one on the exception: hydra_fsdp's save_checkpoint refused it
-    assert "in on_exception" in proc.text() and "_running_job.raise_if_aborted()" in proc.text()
+    assert "in on_exception" in proc.text() and "job.raise_if_aborted()" in proc.text()
     assert Path("checkpoints/last.ckpt") in checkpoints(app / "sweep" / "1"), "job 1 checkpoints as asked"
     print(
         f"on {BACKEND}: rank 0 {how}: aborted {aborted:.3f} s after rank 1's death showed,"
@@ -166,7 +166,7 @@ def test_an_abort_that_releases_rank0_silently_still_fails_the_job(app, on_stub_
     assert not checkpoints(job0), f"a checkpoint was written after the abort: {checkpoints(job0)}"
     if checkpointing:  # the epoch's checkpoint is where rank 0 stopped: hydra_fsdp's save_checkpoint
         assert not records(job0), "rank 0 stopped at the checkpoint, before fit's end"
-        assert "in save_checkpoint\n" in text and "_running_job.raise_if_aborted()" in text, text[-6000:]
+        assert "in save_checkpoint\n" in text and "job.raise_if_aborted()" in text, text[-6000:]
     else:  # rank 0 went on to the end of fit: only the stage's end tells the job failed
         assert sorted(records(job0)) == [0], "rank 0 finished fit on the silently aborted group"
         assert "in stage\n" in text and "self.raise_if_aborted()" in text, text[-6000:]
