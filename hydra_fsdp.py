@@ -68,8 +68,7 @@ __all__ = ["ChildRankError", "HydraDDP", "HydraFSDP", "RankLaunchError"]
 
 log = logging.getLogger(__name__)
 
-# The Lightning namespaces, by the name a user reaches them under: ``hydra_fsdp.lightning.HydraDDP``
-# is built on ``lightning.pytorch``; ``hydra_fsdp.HydraDDP`` on the one the program uses.
+# The Lightning namespaces, by the name a user reaches them under (``hydra_fsdp.lightning.HydraDDP``).
 _NAMESPACES = {"pytorch_lightning": "pytorch_lightning", "lightning": "lightning.pytorch"}
 _PIP_NAMES = {"pytorch_lightning": "pytorch-lightning", "lightning": "lightning"}
 
@@ -82,16 +81,13 @@ _SERVER_ENV = "HYDRA_FSDP_FORK_SERVER"  # set for the fork server: what it impor
 _CHECK_IN_KEY = "hydra_fsdp/ready/{}"
 _GO_KEY = "hydra_fsdp/go"  # rank 0 runs this job with these children: they may run the task function
 _STAGE_KEY = "hydra_fsdp/stage/{}"  # the fallback: the stages rank 0 runs, in order
-# What a job may change in rank 0's environment (it sets MASTER_PORT; Lightning sets
-# MASTER_ADDR/MASTER_PORT and deletes WORLD_SIZE): put back after it, so that the next job
-# neither reuses its port nor mistakes itself for a child, and nothing a scheduler set is lost.
+# What a job may change in rank 0's environment (Lightning sets MASTER_*, deletes WORLD_SIZE): put back
+# after it, so that the next job neither reuses its port nor mistakes itself for a child.
 _RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
-# Rank 0 is the sweep: on a dead peer or a collective's timeout its NCCL groups are to abort the
-# communicator and keep the process (2), not tear it down (torch's default, 3), nor kill it minutes
-# after a failed job to dump state. Set, like the above, for its jobs only; a user's value stands.
+# Rank 0 is the sweep: on a dead peer or a timeout its NCCL groups are to abort and keep the process (2),
+# not tear it down (torch's default, 3), nor dump state. For its jobs only; a user's value stands.
 _NCCL_KEEPS_THE_PROCESS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
-# How often a wait looks again at what only polling shows (a check-in in the store, the server's
-# pipe): each look is cheap, and each wait is on the path of every job.
+# How often a wait looks again at what only polling shows (a check-in): on the path of every job.
 _POLL_INTERVAL = 0.01
 _LOG_TAIL_LINES = 20
 _DIFFERENCES_SHOWN = 5
@@ -144,8 +140,8 @@ def _launch_delay() -> float:
 
 
 def _hydra_job() -> dict | None:
-    """The locals of the frame running this process's Hydra job, or None outside one: Hydra's
-    ``run_job`` (on rank 0, under torchrun or SLURM) or ``_run_child_rank`` (a child we started)."""
+    """The locals of Hydra's ``run_job`` (on rank 0, under torchrun or SLURM) or of ``_run_child_rank`` (a
+    child we started), or None outside a Hydra job."""
     from hydra.core.utils import run_job
 
     frame = inspect.currentframe()
@@ -158,15 +154,14 @@ def _hydra_job() -> dict | None:
     )
     if not needed <= set(frame.f_locals):  # Python 3.13: a proxy, whose keys() is a list
         raise _upstream_changed(
-            "the local variables of hydra.core.utils.run_job (task_function, task_cfg, config, hydra_context, ret)",
-            "find the running job's task function and config",
+            f"the local variables of hydra.core.utils.run_job {sorted(needed)}", "find the running job"
         )
     return frame.f_locals
 
 
 def _job_config(hydra_job: dict) -> DictConfig:
-    """The config Hydra gave the task function, as it gave it: a copy made as ``run_job`` made it (the
-    task function may have changed its own since), with the values rank 0 cached since (``${now:}``)."""
+    """The config Hydra gave the task function, copied as ``run_job`` copied it (the task may have changed
+    its own since), with the values rank 0 cached since (``${now:}``)."""
     task_cfg = copy.deepcopy(hydra_job["config"])
     with read_write(task_cfg), open_dict(task_cfg):
         del task_cfg["hydra"]
@@ -175,9 +170,8 @@ def _job_config(hydra_job: dict) -> DictConfig:
 
 
 def _resolved_where_possible(config: Any, typed: bool = False) -> Any:
-    """Every value of ``config`` resolved, for a child to read back literally (one that cannot be resolved,
-    ``???``, kept as written), caching each ``${now:...}`` in its root; ``typed``: each value's type and
-    each node's (under ``""``) instead, which values do not show (a dataclass or a dict, 1.0 or 1)."""
+    """Every value of ``config`` resolved, for a child to read back literally (``???`` kept as written),
+    caching each ``${now:...}`` in its root; ``typed``: each value's and node's (under ``""``) type."""
     if not OmegaConf.is_config(config):
         if typed:
             return type(config).__qualname__
@@ -199,7 +193,7 @@ def _resolved_where_possible(config: Any, typed: bool = False) -> Any:
 
 
 def _launching_script() -> dict:
-    """Say how a child finds rank 0's ``__main__``: its task function, ``_target_: __main__.X``."""
+    """How a child finds rank 0's ``__main__``: its task function, ``_target_: __main__.X``."""
     import __main__
 
     spec = getattr(__main__, "__spec__", None)
@@ -216,12 +210,10 @@ def _launching_script() -> dict:
 
 class _ByReference(pickle.Pickler):
     """Pickle a task function, a config's classes, by reference, as multiprocessing's spawn passes a child
-    its target: a child imports them (rank 0's script too: see ``_import_launching_script``).
-
-    ``@hydra.main`` hands Hydra the undecorated ``main``, which pickle's lookup refuses: it is pickled
-    as "``__wrapped__``, n times, of the module's ``main``". A dataclass made at run time (hydra-zen's
-    ``builds``: module ``types``) is pickled as its fields, to be made again. ``named``: by module, the
-    first name pickled from it."""
+    its target. ``@hydra.main`` hands Hydra the undecorated ``main``, which pickle's lookup refuses: it is
+    pickled as "``__wrapped__``, n times, of the module's ``main``". A dataclass made at run time
+    (hydra-zen's ``builds``: module ``types``) is pickled as its fields, to be made again. ``named``: by
+    module, the first name pickled from it."""
 
     def __init__(self, file: io.BytesIO) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
@@ -266,7 +258,7 @@ def _made_again(qualname: str, fields: list) -> type:
 
 
 def _pickled(value: Any, what: str) -> tuple[bytes | None, str]:
-    """``value`` pickled by reference and ``""``, or None and why a child cannot have ``what`` it is."""
+    """``value`` pickled by reference and ``""``, or None and why a child cannot have it."""
     buffer = io.BytesIO()
     pickler = _ByReference(buffer)
     try:
@@ -282,10 +274,8 @@ def _pickled(value: Any, what: str) -> tuple[bytes | None, str]:
 
 
 def _write_launch(path: Path, hydra_job: dict, spec: "_LaunchSpec") -> bool:
-    """Save at ``path`` what a child needs to run the job as rank 0 runs it: the job's config first.
-
-    Return whether the children run the task function (else the fallback: the config contract).
-    """
+    """Save at ``path`` what a child needs to run the job as rank 0 runs it; return whether the children
+    run the task function (else the fallback: the config contract)."""
     _resolved_where_possible(hydra_job["task_cfg"])  # caches every ${now:...} rank 0 will read
     task_cfg = _job_config(hydra_job)
     config, why_not = _pickled(task_cfg, "the job's config")
@@ -297,11 +287,9 @@ def _write_launch(path: Path, hydra_job: dict, spec: "_LaunchSpec") -> bool:
         if missing:
             raise RankLaunchError(
                 f"Child ranks cannot run this job: {why_not}, and the job's config has no"
-                f" {', '.join(repr(k) for k in missing)} key (it has:"
-                f" {', '.join(map(str, task_cfg.keys())) or 'nothing'}) to build the trainer and module"
-                " from instead. Define the task function at the top level of an importable file, or"
-                " put the trainer and module in the config (the module's key may be named with"
-                " HydraDDP(module_key='model'))."
+                f" {', '.join(repr(k) for k in missing)} key (it has: {', '.join(map(str, task_cfg)) or 'nothing'})"
+                " to build the trainer and module from instead. Define the task function at the top level of"
+                " an importable file, or put them in the config (name the module's key: module_key='model')."
             )
         log.warning(f"hydra_fsdp: child ranks build the config's trainer and module, because {why_not}.")
     launch = {
@@ -328,9 +316,8 @@ def _rank_launch(job: "_Job", hydra_job: dict) -> bool:
             python /path/to/hydra_fsdp.py <config>  < /dev/null  >> <job dir>/rank_<r>.log 2>&1
 
     where ``<config>`` is ``<job dir>/rank_config.pickle`` (``_write_launch``), with the rest of rank
-    0's environment (``hydra.job.env_set`` included), in its working directory, ``MUSHIN_DDP_LAUNCH_DELAY``
-    seconds apart -- in effect: forked by the sweep's fork server, without paying the imports again.
-    Return whether they run the job's task function (else the fallback, see ``_write_launch``).
+    0's environment, in its working directory, ``MUSHIN_DDP_LAUNCH_DELAY`` seconds apart -- in effect:
+    forked by the sweep's fork server. Return whether they run the job's task function (else the fallback).
     """
     spec, config_path = job.spec, job.children.job_dir / _LAUNCH_FILE
     delay = _launch_delay()
@@ -371,13 +358,12 @@ def _wait_until(said: threading.Condition, done: Callable[[], Any], timeout: flo
 class _ForkServer:
     """A process that imports torch, Lightning and Hydra once and forks every child rank of a sweep.
 
-    A child started from scratch pays those imports on every job (seconds; more on a cluster's
-    shared file system); a fork of a process that holds them is up in milliseconds, and still a fresh
-    process: rank 0's script and all else imported anew, the job's environment. So the server imports
-    nothing more (but hydra-zen, if rank 0 has), starts no thread and never touches CUDA. It runs as
-    ``python /path/to/hydra_fsdp.py``, reads a child's command a line on stdin, answers its pid and
-    later its exit code on stdout (read by a thread, which notifies ``said`` and calls a failed child's
-    ``on_failure``), and ends, ending its children, when rank 0 closes its stdin or dies.
+    A child started from scratch pays those imports on every job (seconds); a fork of a process that
+    holds them is up in milliseconds, and still a fresh process (rank 0's script imported anew, the
+    job's environment). So the server imports nothing more (but hydra-zen), starts no thread and never
+    touches CUDA. It runs as ``python /path/to/hydra_fsdp.py``, reads a child's command a line on stdin,
+    answers its pid and later its exit code on stdout (read by a thread, which notifies ``said`` and calls
+    a failed child's ``on_failure``), and ends, ending its children, when rank 0 closes its stdin or dies.
     """
 
     def __init__(self, lightning: str, said: threading.Condition) -> None:
@@ -396,8 +382,7 @@ class _ForkServer:
         self.started: list[int] = []
         self.exit_codes: dict[int, int] = {}
         self.on_failure: dict[int, Callable[[], None]] = {}  # by pid, of each child still running
-        self.asked: list[Callable[[], None]] = []  # the on_failure of each child asked for, not yet started
-        self.lost = False  # the server died, and its children with it: how they ended is unknown
+        self.lost = False  # the server died, and its children with it
         threading.Thread(target=self._read_replies, name="hydra-fsdp-fork-server", daemon=True).start()
         atexit.register(self.close)
 
@@ -407,11 +392,10 @@ class _ForkServer:
                 with self.said:
                     if "started" in reply:
                         self.started.append(reply["started"])
-                        self.on_failure[reply["started"]] = self.asked.pop(0)
                     else:
                         self.exit_codes[reply["exited"]] = reply["code"]
+                    on_failure = self.on_failure.pop(reply.get("exited"), None)
                     self.said.notify_all()
-                on_failure = self.on_failure.pop(reply.get("exited"), None)
                 if reply.get("code") and on_failure is not None:
                     on_failure()
         finally:  # the server ended, or its replies did: no wait may outlast it
@@ -424,10 +408,8 @@ class _ForkServer:
     ) -> "_ForkedChild":
         """Have the server fork a child that runs ``command`` with ``env``, writing to ``log``, within
         ``timeout`` seconds (the first child waits for the server's imports); ``on_failure`` is called,
-        on the reader's thread, if it exits with an error."""
+        on the reader's thread, if it exits with an error (before this returns no stage runs)."""
         request = {"command": command, "env": env, "cwd": os.getcwd(), "log": str(log)}
-        with self.said:
-            self.asked.append(on_failure)
         with contextlib.suppress(BrokenPipeError):  # a server that died says so by its end
             self.proc.stdin.write(json.dumps(request).encode() + b"\n")
             self.proc.stdin.flush()
@@ -435,17 +417,20 @@ class _ForkServer:
             self.proc.kill()
             self.proc.wait()
             raise ChildRankError(
-                f"hydra_fsdp's fork server (pid {self.proc.pid}), which imports {', '.join(self.imports)}"
-                f" once for the sweep's child ranks, started none within {timeout:g} s and was"
-                " ended. Raise rank_timeout on the strategy if imports are this slow here (a"
-                " cluster's shared file system)."
+                f"hydra_fsdp's fork server (pid {self.proc.pid}), which imports {', '.join(self.imports)} once"
+                f" for the sweep's child ranks, started none within {timeout:g} s and was ended. Raise"
+                " rank_timeout on the strategy if imports are this slow here (a shared file system)."
             )
         if not self.started:
             raise ChildRankError(
                 f"hydra_fsdp's fork server (pid {self.proc.pid}) exited with code {self.proc.wait()} before"
                 " it started a child rank; its error is in rank 0's output above."
             )
-        return _ForkedChild(self, self.started.pop(0))
+        with self.said:
+            pid = self.started.pop(0)
+            if pid not in self.exit_codes:
+                self.on_failure[pid] = on_failure
+        return _ForkedChild(self, pid)
 
     def close(self) -> None:
         """Close the server's stdin: it ends, and with it any child still running."""
@@ -456,7 +441,7 @@ class _ForkServer:
 
 
 class _ForkedChild:
-    """A child rank the fork server started: the part of ``subprocess.Popen`` rank 0 uses."""
+    """A child rank the fork server started: the part of ``Popen`` rank 0 uses."""
 
     def __init__(self, server: _ForkServer, pid: int) -> None:
         self.server = server
@@ -481,18 +466,17 @@ class _ForkedChild:
 
 
 def _serve_forks(imports: list) -> None:
-    """The fork server's loop (see ``_ForkServer``): fork a child per request, report each exit."""
+    """The fork server's loop: fork a child per request, report each exit."""
     gc.disable()  # collecting a growing heap would take a fifth of the imports' time
     for name in imports:  # what every child needs, imported once for all of them
         importlib.import_module(name)
-    # The children's collections skip what the server holds: a full collection over torch and
-    # Lightning takes 0.2 s, and would write to (and so copy) every page those objects lie on.
+    # The children's collections skip what the server holds: a full one takes 0.2 s, and writes to (and
+    # so copies) every page those objects lie on.
     gc.freeze()
     gc.enable()
     replies = os.dup(1)
     os.dup2(2, 1)  # whatever anything prints goes to rank 0's stderr, never into the replies
-    # Ctrl-C reaches rank 0 and the children, which get what a process rank 0 started would have:
-    # Python's KeyboardInterrupt, or SIGINT ignored if rank 0 ignores it (a background job).
+    # Ctrl-C reaches rank 0 and the children, which react as a process rank 0 started would.
     sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
     children: set = set()
@@ -522,17 +506,15 @@ def _serve_forks(imports: list) -> None:
 
 
 def _set_rank_zero_only(lightning: str, rank: int) -> None:
-    """Tell Lightning's ``rank_zero_only`` the rank, which it read at import, in the server."""
+    """Tell Lightning's ``rank_zero_only`` the rank it read at import, in the server."""
     rank_zero_only = importlib.import_module(f"{lightning}.utilities.rank_zero").rank_zero_only
     if not hasattr(rank_zero_only, "rank"):
-        raise _upstream_changed(
-            f"{lightning}.utilities.rank_zero.rank_zero_only.rank", "tell a child its rank"
-        )
+        raise _upstream_changed(f"{lightning}.utilities.rank_zero_only.rank", "tell a child its rank")
     rank_zero_only.rank = rank
 
 
 def _run_forked(request: dict, lightning: str, replies: int, sigint: Any) -> None:
-    """In a process the fork server just forked: become the child rank ``request`` starts."""
+    """In a fresh fork of the server: become the child rank ``request`` starts."""
     try:
         os.close(replies)
         signal.signal(signal.SIGINT, sigint)
@@ -547,7 +529,7 @@ def _run_forked(request: dict, lightning: str, replies: int, sigint: Any) -> Non
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
-        # What a process started from scratch reads at start-up, read again in this job's environment.
+        # What a process started from scratch reads at start-up, read again in the job's environment.
         _set_rank_zero_only(lightning, int(os.environ["LOCAL_RANK"]))
         if "OMP_NUM_THREADS" in os.environ:
             torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -575,32 +557,29 @@ class _LaunchSpec(NamedTuple):
 
 
 class _Sweep(Callback):
-    """What rank 0, the sweep's process, keeps from one job to the next, in one place (``_sweep``).
-
-    It is also the Hydra callback that follows the jobs (``follow``): a job's start starts its ranks if
-    the last job had ranks (they import rank 0's script while rank 0 builds its trainer), a job's end
-    ends them and lets go of what the job held (if these strategies ran it: ``ran``), and the run's or
-    sweep's end ends the fork server. Only ``said`` is shared with another thread.
+    """What rank 0, the sweep's process, keeps from one job to the next, in one place (``_sweep``); also the
+    Hydra callback that follows the jobs (``follow``): a job's start starts its ranks if the last job had
+    ranks (they import rank 0's script while rank 0 builds its trainer), a job's end ends them and lets
+    go of what the job held, the sweep's end ends the fork server. Only ``said`` is shared with a thread.
     """
 
     def __init__(self) -> None:
         self.said = threading.Condition()  # notified whenever the fork server says something
-        self.fork_server: _ForkServer | None = None  # started by the sweep's first job with child ranks
-        self.store_ports: set = set()  # of the stores this process made, one a job (see new_store)
+        self.fork_server: _ForkServer | None = None
+        self.store_ports: set = set()  # of every job's store (see new_store)
         self.job: _Job | None = None  # whose child ranks run, from its first stage until Hydra ends it
         self.wrapped: list = []  # the FSDP wrappers the running job built, for its end to free
         self.last_spec: _LaunchSpec | None = None
-        self.ran: Any = None  # the JobReturn of the last job a strategy of this file ran a stage of
+        self.ran: Any = None  # the JobReturn of the last job these strategies ran a stage of
         self.froze = False
 
     def job_for(self, spec: _LaunchSpec, hydra_job: dict | None) -> "_Job":
         """The job's ranks for a stage of ``spec``: those started at Hydra's start of the job if alike."""
         if hydra_job is None or not HydraConfig.initialized():
             raise RankLaunchError(
-                "HydraDDP/HydraFSDP start child ranks from the running Hydra job's config, but no Hydra job"
-                " is running here. Call trainer.fit/validate/test/predict inside a Hydra task function"
-                " (@hydra.main, hydra_zen.zen or hydra_zen.launch), or use Lightning's own"
-                " strategy='ddp'/'fsdp' outside Hydra."
+                "HydraDDP/HydraFSDP start child ranks from the running Hydra job's config, but no Hydra job is"
+                " running here. Call trainer.fit/test/... in a Hydra task function (@hydra.main, hydra_zen.zen,"
+                " hydra_zen.launch), or use Lightning's own strategy='ddp'/'fsdp' outside Hydra."
             )
         job = self.job
         if job is not None and job.job_return is hydra_job.get("ret"):
@@ -636,10 +615,9 @@ class _Sweep(Callback):
             self.fork_server = None
 
     def new_store(self, address: str) -> torch.distributed.TCPStore:
-        """A job's store, where children check in and which torch's init_process_group reuses: on a port
-        the OS picks, never one an earlier job had (the OS offers one again after 6 to 160 jobs here):
-        torch looks the store to reuse (``multi_tenant``) up by port in a cache where an earlier job's
-        dead store hides this one, and init_process_group fails with EADDRINUSE."""
+        """A job's store, which init_process_group reuses: on a port the OS picks, never one an earlier job
+        had (offered again after 6 to 160 jobs): torch looks the store up by port in a cache where an earlier
+        job's dead store hides this one, and init_process_group fails with EADDRINUSE."""
         refused = []  # held until a new port is found, so that the OS offers another
         while True:
             store = torch.distributed.TCPStore(
@@ -651,20 +629,17 @@ class _Sweep(Callback):
             refused.append(store)
 
     def follow(self, hydra_context: Any) -> "_Sweep":
-        # Hydra's Callbacks object (private) is the only way to its job ends without the user's config.
+        # Hydra's Callbacks (private) are the only way to its job ends without the user's config.
         callbacks = getattr(getattr(hydra_context, "callbacks", None), "callbacks", None)
         if not isinstance(callbacks, list):
-            raise _upstream_changed(
-                "hydra_context.callbacks.callbacks, a list", "follow the ends of Hydra's jobs"
-            )
+            raise _upstream_changed("hydra_context.callbacks.callbacks, a list", "follow Hydra's jobs")
         if self not in callbacks:
             callbacks.append(self)
         return self
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
-        # What was alive before the job, frozen meanwhile, is not scanned by its end's collection (a
-        # full one over torch and Lightning takes most of a second). Not where someone froze objects
-        # of their own (before forking DataLoader workers, say): unfreezing would undo it.
+        # What was alive before the job, frozen, is not scanned by its end's collection (most of a second).
+        # Not where someone froze objects of their own (DataLoader workers): unfreezing would undo it.
         if gc.get_freeze_count() == 0:  # (frozen still if the last job raised past its end: SystemExit)
             gc.freeze()
             self.froze = True
@@ -714,9 +689,8 @@ class _StageAbort:
                 self.in_stage = False
 
     def abort(self, for_rank: int | None = None) -> None:
-        """For a child that failed (``for_rank``) while a stage runs, which NCCL would leave waiting for the
-        dead rank until the group's timeout; for rank 0's failed stage, whose exception hooks' collectives
-        would wait for the ended children."""
+        """For a child that failed (``for_rank``) while a stage runs: NCCL would wait for it until the
+        group's timeout; for rank 0's failed stage: its exception hooks' collectives would wait too."""
         with self.lock:
             if not self.aborted and (for_rank is None or self.in_stage):
                 self.aborted, self.for_rank = True, self.for_rank if for_rank is None else for_rank
@@ -724,15 +698,14 @@ class _StageAbort:
 
 
 class _ChildRanks:
-    """A job's child ranks, by rank: added as they start, stopped by a signal from any thread, ended
-    with every wait bounded, and described by their logs."""
+    """A job's child ranks: added as they start, stopped by a signal from any thread, ended with every wait
+    bounded, described by their logs."""
 
     def __init__(self, job_dir: Path, said: threading.Condition) -> None:
         self.job_dir = job_dir
         self.said = said
         self.procs: dict = {}
-        # A signal stops them from its own thread, or from a handler that runs in the main thread while
-        # it adds one: reentrant, and a rank added after the signal is stopped at once.
+        # A signal stops them from its thread, or from a handler on the main thread while it adds one.
         self.lock = threading.RLock()
         self.stopped_by: int | None = None  # the signal that stopped them
         self.unkillable: set = set()  # ranks that outlived SIGKILL: not waited for again
@@ -751,9 +724,8 @@ class _ChildRanks:
                 proc.kill()
 
     def end(self) -> None:
-        """SIGKILL every child still running and reap it: a rank stuck in a collective ignores less. Each
-        wait is bounded, as torch elastic's: a child the kernel holds (uninterruptible sleep: a hung
-        driver or file system) is left to the fork server, and the sweep goes on."""
+        """SIGKILL every child still running and reap it, each wait bounded as torch elastic's: a child the
+        kernel holds (uninterruptible sleep) is left to the fork server, and the sweep goes on."""
         for proc in self.procs.values():
             proc.kill()
         deadline = time.monotonic() + _KILL_WAIT
@@ -782,7 +754,7 @@ class _ChildRanks:
         return not self.running() or self.first_failed() is not None
 
     def raise_if_any_exited(self) -> None:
-        """While rank 0 runs the job's stages, every child must still be running."""
+        """While rank 0 runs the job's stages, every child must run."""
         for rank, proc in self.procs.items():
             code = proc.poll()
             if code is not None:
@@ -790,9 +762,8 @@ class _ChildRanks:
                 if code != 0:
                     raise self.failure(rank)
                 raise ChildRankError(
-                    f"Child rank {rank} finished the job's task function while rank 0 still runs it, at a"
-                    f" Trainer stage the child never reached: the task function took another path on that"
-                    f" rank. {self.describe(rank)}"
+                    f"Child rank {rank} finished the job's task function while rank 0 still runs it, at a Trainer"
+                    f" stage the child never reached: the task function took another path there. {self.describe(rank)}"
                 )
 
     def wait_until_exited(self, timeout: float) -> ChildRankError | None:
@@ -808,7 +779,7 @@ class _ChildRanks:
         return None if failed is None else self.failure(failed)
 
     def end_saying_where_they_stood(self, error: BaseException | None) -> None:
-        """Have every running child dump its stack to its log, end them, and say so under rank 0's error."""
+        """Have every running child dump its stack to its log, end them, and say so under ``error``."""
         running = self.running()
         if not running:
             return
@@ -838,13 +809,10 @@ class _ChildRanks:
 
 
 class _Job:
-    """Rank 0's side of one Hydra job: its child ranks, its store and port, its process group.
-
-    Started at the job's first stage, or at Hydra's start of the job (see ``_Sweep``); the children
-    wait for rank 0's go before they run the task function. Ended when Hydra ends the job (``finish``),
-    so that the task function's stages -- fit then test, a second Trainer -- run on one set of ranks,
-    as under stock DDP. ``close`` undoes what the job did, the last first, however it ended.
-    """
+    """Rank 0's side of one Hydra job: its child ranks, its store and port, its process group. Started at
+    the job's first stage or at Hydra's start of the job (the children wait for rank 0's go), ended when
+    Hydra ends the job (``finish``): fit then test, a second Trainer, run on one set of ranks, as under
+    stock DDP. ``close`` undoes what the job did, the last first, however it ended."""
 
     def __init__(self, sweep: _Sweep, spec: _LaunchSpec, hydra_job: dict) -> None:
         self.sweep, self.spec = sweep, spec
@@ -857,10 +825,8 @@ class _Job:
         self.closing = contextlib.ExitStack()
         atexit.register(self.close)  # a job that never reaches on_job_end (SystemExit) still ends
         self.closing.callback(self._forget)
-        self.closing.callback(
-            _restore_environ,
-            {key: os.environ.get(key) for key in (*_RENDEZVOUS_ENV, *_NCCL_KEEPS_THE_PROCESS)},
-        )
+        saved_environ = {key: os.environ.get(key) for key in (*_RENDEZVOUS_ENV, *_NCCL_KEEPS_THE_PROCESS)}
+        self.closing.callback(_restore_environ, saved_environ)
         self.store = sweep.new_store(spec.address)
         os.environ["MASTER_PORT"] = str(self.store.port)
         self.closing.callback(_SignalWatch(self.children.stop).close)
@@ -902,7 +868,7 @@ class _Job:
             raise self.children.failure(self.abort.for_rank)
 
     def wait_until_checked_in(self) -> None:
-        """Wait until every child is about to join the process group, failing fast if one cannot."""
+        """Wait until every child is about to join the process group; fail fast if one cannot."""
         keys = {rank: _CHECK_IN_KEY.format(rank) for rank in self.children.procs}
         if not _wait_until(
             self.children.said,
@@ -922,8 +888,7 @@ class _Job:
         """The error a stage that raised on rank 0 fails the job with; the children are ended."""
         signum = self.children.stopped_by
         if signum is None and isinstance(error, KeyboardInterrupt):
-            # Ctrl-C, its handler first to run: the same stop as the signal thread's. (Lightning before
-            # 2.3 swallows a KeyboardInterrupt, and the sweep would go on to its next job.)
+            # Ctrl-C, its handler first to run (Lightning < 2.3 swallows it: the sweep would go on).
             signum = signal.SIGINT
         if signum is not None:
             error = SystemExit(128 + signum)
@@ -940,20 +905,20 @@ class _Job:
         return error
 
     def finish(self, job_return: Any) -> None:
-        """Hydra ended the job: check the children's exits (a late failure fails the job), clean up."""
+        """Hydra ended the job: a child's late failure fails it; clean up."""
         try:
             if not self.released:  # started at the job's start, which then ran no stage: nor did they
                 return
             if job_return.status is JobStatus.COMPLETED:
                 if not self.runs_task:
                     self.store.set(_STAGE_KEY.format(self.stages_announced), "null")
-                # a child still in a collective with rank 0 now fails at once, instead of waiting
+                # a child still in a collective with rank 0 fails at once, instead of waiting
                 _destroy_process_group()
                 failure = self.children.wait_until_exited(self.spec.rank_timeout)
                 if failure is not None:
                     job_return.status = JobStatus.FAILED
                     job_return.return_value = failure
-            else:  # rank 0 failed outside a stage; the public getter would print Hydra's error line again
+            else:  # rank 0 failed outside a stage (the public getter prints Hydra's error line again)
                 self.children.end_saying_where_they_stood(getattr(job_return, "_return_value", None))
         finally:
             self.close()
@@ -985,12 +950,10 @@ def _restore_environ(saved: dict) -> None:
 
 
 class _SignalWatch:
-    """End the job's children the moment SIGTERM or SIGINT reaches rank 0, however busy it is.
-
-    Python runs a signal handler only once the main thread is back in the interpreter, which a rank 0
-    blocked in a collective on a hung child never is. The C-level handler writes every signal to the
-    wakeup fd at once: this thread reads it and ends the children, the collective fails, and the main
-    thread runs the handlers (ours raises SystemExit, unless the program has its own)."""
+    """End the job's children the moment SIGTERM or SIGINT reaches rank 0, however busy it is: Python runs
+    a handler only once the main thread is back in the interpreter, which a rank 0 blocked in a collective
+    never is, but the C-level handler writes the signal to the wakeup fd at once. This thread reads it
+    and ends the children, the collective fails, and the main thread runs the handlers."""
 
     def __init__(self, on_signal: Callable[[int], None]) -> None:
         self.thread: threading.Thread | None = None
@@ -1063,32 +1026,27 @@ def _destroy_process_group(aborted: bool = False) -> None:
     if aborted and hasattr(torch.distributed.group.WORLD, "abort"):  # torch >= 2.7: a graceful destroy
         abort = getattr(torch.distributed.distributed_c10d, "_abort_process_group", None)  # could wait
         if abort is None:
-            raise _upstream_changed(
-                "torch.distributed.distributed_c10d._abort_process_group", "end an aborted group"
-            )
+            raise _upstream_changed("torch's distributed_c10d._abort_process_group", "end an aborted group")
         abort(torch.distributed.group.WORLD)
     if torch.distributed.is_initialized():
-        # Hold the group's backends while it is destroyed, their last reference then goes with the GIL
+        # Hold the group's backends while it is destroyed: their last reference then goes with the GIL
         # released. torch < 2.4 frees the group holding the GIL, and gloo's destructor waits for a worker
-        # that needs the GIL to free a finished collective: both wait forever (6 of 20 runs, torch 2.3).
+        # that needs it (6 of 20 runs hung on torch 2.3).
         backends = _backends_of(torch.distributed.group.WORLD)
         torch.distributed.destroy_process_group()
         del backends
-    # A failed init_process_group (a rank died in the rendezvous) counted a group it never made, and the
-    # next job's rank 0 would wait for keys of group "1" while its children write "0" (nothing public resets it).
+    # A failed init_process_group counted a group it never made: the next job's rank 0 would wait for keys
+    # of group "1" while its children write "0" (nothing public resets it).
     world = getattr(torch.distributed.distributed_c10d, "_world", None)
     if not isinstance(getattr(world, "group_count", None), int):
-        raise _upstream_changed(
-            "torch.distributed.distributed_c10d._world.group_count", "reset torch's count of process groups"
-        )
+        raise _upstream_changed("torch's distributed_c10d._world.group_count", "reset its count of groups")
     world.group_count = 0
 
 
 def _abort_groups() -> None:
-    """Abort the process groups' communicators, from any thread, with what this torch has: ``abort`` of
-    every group (>= 2.7: FSDP's hybrid shards and a DeviceMesh have groups of their own), else the
-    default group's NCCL ``abort`` (2.6) or ``_shutdown`` (2.3-2.5, safe on one communicator only).
-    Gloo needs none: it fails a collective on a dead peer by itself. Raises nothing of its own."""
+    """Abort the process groups, from any thread, with what this torch has: ``abort`` of every group (>= 2.7:
+    a DeviceMesh has groups of its own), else the default group's NCCL ``abort`` (2.6) or ``_shutdown``
+    (2.3-2.5, safe on one communicator only). Gloo needs none. Raises nothing of its own."""
     world = torch.distributed.group.WORLD
     if hasattr(world, "abort"):
         registry = getattr(torch.distributed.distributed_c10d, "_world", None)
@@ -1100,8 +1058,8 @@ def _abort_groups() -> None:
 
 
 def _backends_of(group: Any) -> list:
-    """The backends (gloo, NCCL) of ``group``. A function of its own so that no reference to the
-    group outlives its destroy: the last one, let go of holding the GIL, would deadlock as above."""
+    """The backends (gloo, NCCL) of ``group``, in a function of its own so that no reference to the group
+    outlives its destroy (the last, let go of holding the GIL, would deadlock as above)."""
     try:
         return [group._get_backend(device) for device in group._device_types]
     except (AttributeError, RuntimeError):  # a torch that names them otherwise: destroy as before
@@ -1109,20 +1067,18 @@ def _backends_of(group: Any) -> list:
 
 
 def _end_process_groups_at_exit() -> None:
-    """Destroy the process group, and let go of every one, while the interpreter is still whole: gloo's
-    threads, alive while anything holds a group (an FSDP module does, in a cycle), abort the process at
-    exit (SIGABRT, ``terminate called without an active exception``). Frozen then, the rest is not
-    scanned again by the exit's collections (a second). A child rank leaves by ``os._exit``."""
+    """Destroy the process group, and let go of every one, while the interpreter is whole: gloo's threads,
+    alive while anything holds a group (an FSDP module, in a cycle), abort the process at exit (SIGABRT).
+    Frozen then, the rest is not scanned again by the exit's collections (a second)."""
     _destroy_process_group()
     gc.collect()
     gc.freeze()
 
 
 def _let_go_of_the_job(job_return: Any, wrapped: list) -> None:
-    """Free what the job that just ended held here, where every later job runs: cyclic garbage (a Trainer
-    and its module), the FSDP wrappers' flat parameters, and a failed job's traceback, which Hydra keeps
-    with the error: its frames hold the module and optimizer (on a GPU, one job out of memory and every
-    later one would be). What the user's code can reach (a module the task returned) is left whole."""
+    """Free what the job that just ended held here, where every later job runs: cyclic garbage (a Trainer),
+    the FSDP wrappers' flat parameters, and a failed job's traceback, which Hydra keeps: its frames hold
+    the module and optimizer. What the user's code can reach (a module the task returned) stays whole."""
     error = getattr(job_return, "_return_value", None) if job_return.status is JobStatus.FAILED else None
     while isinstance(error, BaseException) and error.__traceback__ is not None:  # the error, its causes
         # Its text stays. (Clearing the frames is not enough from Python 3.11: a cleared frame holds its
@@ -1140,7 +1096,7 @@ def _let_go_of_the_job(job_return: Any, wrapped: list) -> None:
 
 
 def _log_excerpt(log_path: Path) -> list[str]:
-    """The end of a child's log or, if it was dumped before being ended, where its main thread stood."""
+    """The end of a child's log or, if its stack was dumped before it was ended, where it stood."""
     lines = log_path.read_text(errors="replace").splitlines() if log_path.exists() else []
     dumps = [i for i, line in enumerate(lines) if line.endswith("(most recent call first):")]
     for start, end in reversed(list(zip(dumps, dumps[1:] + [len(lines)]))):
@@ -1210,7 +1166,7 @@ class _HydraRankLauncher:
 
 
 def _check_launched_world_size(num_nodes: int, devices: int) -> None:
-    """Fail before the rendezvous, which would otherwise wait for ranks that never come."""
+    """Fail before the rendezvous, which would wait for ranks that never come."""
     launched = os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS")
     if launched is not None and int(launched) != num_nodes * devices:
         raise RankLaunchError(
@@ -1299,8 +1255,7 @@ def _flat(tree: Any, prefix: str = "") -> dict:
 # --------------------------------------------------------------------------- the strategies
 
 
-# The oldest releases this file runs on, as pyproject.toml declares them: a copy of the file in
-# someone's project never sees pyproject.toml, so the strategies check when they are built.
+# The oldest releases this file runs on, as pyproject.toml declares them (a copy of it never sees that).
 _MINIMUM_VERSIONS = {"torch": "2.3", "hydra-core": "1.3.0", "pytorch-lightning": "2.2", "lightning": "2.2"}
 # Lightning refuses FSDP without a GPU before 2.3.0 ("GPU accelerator is not used").
 _FSDP_ON_CPU_LIGHTNING = "2.3.0"
@@ -1340,8 +1295,8 @@ def _fsdp() -> types.ModuleType:
 
 
 class _HydraStrategy:
-    """What HydraDDP and HydraFSDP add to a Lightning strategy: mixed in before it, with ``_lightning`` the
-    package of its namespace (``pytorch_lightning`` or ``lightning.pytorch``)."""
+    """What HydraDDP and HydraFSDP add to a Lightning strategy, mixed in before it (``_lightning``: its
+    namespace's package)."""
 
     _lightning: types.ModuleType
 
@@ -1372,7 +1327,7 @@ class _HydraStrategy:
         return _HydraRankLauncher(self)
 
     def __repr__(self) -> str:
-        # A Trainer of the other namespace refuses the strategy naming it by its repr: say which it is.
+        # A Trainer of the other namespace refuses the strategy by its repr: say which one it takes.
         name = type(self).__name__
         spellings = [f"{__name__}.{ns}.{name} for a {package}.Trainer" for ns, package in _NAMESPACES.items()]
         return f"<{__name__}.{type(self).__qualname__}: use {' or '.join(spellings)}>"
@@ -1395,9 +1350,9 @@ class _HydraStrategy:
 
 
 class _HydraFSDP(_HydraStrategy):
-    """What HydraFSDP adds besides: sharding on CPU, once for all of a job's stages, and its checkpoints."""
+    """What HydraFSDP adds: sharding on CPU, once for all of a job's stages, and its checkpoints."""
 
-    _sharded: torch.nn.Module | None = None  # the FSDP wrapper of the module of the last stage
+    _sharded: torch.nn.Module | None = None  # the FSDP wrapper of the last stage's module
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -1405,8 +1360,8 @@ class _HydraFSDP(_HydraStrategy):
             raise _upstream_changed("FSDPStrategy._state_dict_type", "tell full from sharded checkpoints")
 
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        # A module sharded by an earlier stage (fit, then test) keeps its wrapper: Lightning would
-        # wrap its shards again and break it (Lightning issue #19015).
+        # A module sharded by an earlier stage (fit, then test) keeps its wrapper: Lightning would wrap
+        # its shards again (Lightning issue #19015).
         if not self._holds_sharded(model):
             self._sharded = self._wrapped(model)
             _sweep.wrapped.append(self._sharded)
@@ -1423,8 +1378,7 @@ class _HydraFSDP(_HydraStrategy):
         already_wrapped = any(isinstance(m, fsdp.FullyShardedDataParallel) for m in model.modules())
         if self.root_device.type != "cpu" or already_wrapped:
             return super()._setup_model(model)
-        # Lightning passes device_id=root_device.index, None on CPU, and torch's FSDP then looks for
-        # an accelerator; so wrap here with the CPU device and let Lightning finish the setup.
+        # Lightning passes device_id=None on CPU, and torch's FSDP then looks for an accelerator.
         wrapped = fsdp.FullyShardedDataParallel(
             module=model,
             cpu_offload=self.cpu_offload,
@@ -1462,10 +1416,9 @@ class _HydraFSDP(_HydraStrategy):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, **kwargs: Any) -> dict:
-        """Load a checkpoint HydraFSDP or HydraDDP wrote. A full one memory-mapped, not by Lightning's lazy
-        loader, which cannot rebuild a Parameter pickled in the hyperparameters: a rank reads a tensor's
-        pages only as it copies its shard, and the ranks share them. A sharded one (a directory) as
-        Lightning does, but also with an optimizer without per-parameter state, which the shards drop."""
+        """Load a checkpoint HydraFSDP or HydraDDP wrote. A full one memory-mapped (Lightning's lazy loader
+        cannot rebuild a Parameter pickled in the hyperparameters): each rank reads the pages of its shard.
+        A sharded one as Lightning does, but also with an optimizer whose empty state the shards drop."""
         path = Path(self.broadcast(checkpoint_path))
         weights_only = kwargs.get("weights_only")  # Lightning's default, None, is torch.load's default
         fitting = self.lightning_module.trainer.state.fn == "fit"
@@ -1599,9 +1552,8 @@ def _unwrapped_name(name: str) -> str:
 
 def _full_state_dict_in_place(module: torch.nn.Module, rank0_only: bool = True) -> Any:
     """FSDP's full-state-dict context without ``offload_to_cpu``: Lightning always offloads, which with
-    shards already on the CPU frees memory the state dict still points to, and the process segfaults
-    (Lightning issue #21804). To save, rank 0 alone gathers, as Lightning does; to load, every rank
-    takes its shard of the full state."""
+    shards already on the CPU frees memory the state dict still points to: a segfault (Lightning issue
+    #21804). To save, rank 0 alone gathers; to load, every rank takes its shard of the full state."""
     fsdp, config = _fsdp(), {"offload_to_cpu": False, "rank0_only": rank0_only}
     return fsdp.FullyShardedDataParallel.state_dict_type(
         module=module,
@@ -1625,8 +1577,7 @@ def _strategies_for(namespace: str) -> types.SimpleNamespace:
     setup_model = getattr(strategies.FSDPStrategy, "_setup_model", None)
     if not callable(setup_model) or setup_model is getattr(strategies.Strategy, "_setup_model", None):
         raise _upstream_changed(
-            f"{_NAMESPACES[namespace]}.strategies.FSDPStrategy._setup_model",
-            "wrap the module on the CPU and once for all of a job's stages",
+            f"{_NAMESPACES[namespace]}'s FSDPStrategy._setup_model", "wrap the module once"
         )
 
     def build(public: type, *bases: type) -> type:
@@ -1641,9 +1592,8 @@ def _strategies_for(namespace: str) -> types.SimpleNamespace:
 
 
 def _namespace_in_use() -> str:
-    """The Lightning namespace the program imported, which its Trainer comes from: Hydra imports a
-    Trainer's class before it builds the strategy nested in its config. Where both namespaces are
-    imported, or neither yet, it cannot be told: then the first installed."""
+    """The Lightning namespace the program imported, which its Trainer comes from (Hydra imports a Trainer's
+    class before it builds its strategy); where both or neither are imported, the first installed."""
     imported = [namespace for namespace, package in _NAMESPACES.items() if package in sys.modules]
     if len(imported) == 1:
         return imported[0]
@@ -1657,8 +1607,8 @@ def _namespace_in_use() -> str:
 
 
 class _OfTheLightningImported(type):
-    """``hydra_fsdp.HydraDDP(...)`` builds ``hydra_fsdp.<namespace>.HydraDDP(...)`` of the Lightning
-    in use, and any namespace's one is an instance of it."""
+    """``hydra_fsdp.HydraDDP(...)`` builds ``hydra_fsdp.<namespace>.HydraDDP(...)`` of the Lightning imported,
+    and any namespace's one is an instance of it."""
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         return getattr(_strategies_for(_namespace_in_use()), cls.__name__)(*args, **kwargs)
@@ -1672,24 +1622,19 @@ class _OfTheLightningImported(type):
 
 
 class HydraDDP(metaclass=_OfTheLightningImported):
-    """Lightning's ``DDPStrategy``, with every child rank running the Hydra job's own task function;
-    ``hydra_fsdp.HydraDDP`` builds the one of the Lightning your program imported.
-
-    Extra arguments: ``rank_timeout`` (seconds the fork server may take to start, a child to reach the
-    process group, and to finish after rank 0 finished the job; default 600), ``module_key`` and
-    ``datamodule_key`` (where the fallback finds them in the job's config; default ``module`` and
-    ``datamodule``). The rest is DDPStrategy's.
-    """
+    """Lightning's ``DDPStrategy``, with every child rank running the Hydra job's own task function, built
+    on the Lightning your program imported. Extra arguments: ``rank_timeout`` (seconds the fork server
+    may take to start, a child to reach the process group, and to finish after rank 0 did; default
+    600), ``module_key`` and ``datamodule_key`` (where the fallback finds them in the job's config)."""
 
 
 class HydraFSDP(metaclass=_OfTheLightningImported):
     """Lightning's ``FSDPStrategy``, started like HydraDDP (the same extra arguments), and able to shard on
-    CPU over gloo; ``hydra_fsdp.HydraFSDP`` builds the one of the Lightning your program imported."""
+    CPU over gloo."""
 
 
 def __getattr__(name: str) -> Any:
-    """``hydra_fsdp.lightning`` and ``hydra_fsdp.pytorch_lightning``, built on first use:
-    importing hydra_fsdp imports no Lightning."""
+    """``hydra_fsdp.lightning`` and ``hydra_fsdp.pytorch_lightning``, built on first use."""
     if name in _NAMESPACES:
         return _strategies_for(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -1727,8 +1672,7 @@ def _run_child_rank(config_path: str) -> None:
     except BaseException:  # noqa: BLE001 - the job's error, as Hydra prints it, to the child's log
         traceback.print_exc()
         exit_code = 1
-    # Exit now: at interpreter shutdown torch's C++ threads (gloo's, of a group an FSDP module
-    # still holds) can abort the process after a finished job.
+    # Exit now: at shutdown gloo's threads, of a group an FSDP module still holds, can abort the process.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -1736,9 +1680,8 @@ def _run_child_rank(config_path: str) -> None:
 
 
 def _check_resolved_as_on_rank_0(task_cfg: DictConfig, on_rank_0: dict) -> None:
-    """Fail before the task function runs if this rank resolves a value of the job's config otherwise
-    than rank 0 did: a resolver without ``use_cache`` that gives each call its own value (a run id), or
-    one that the launching script registers only in its ``if __name__ == "__main__":`` block."""
+    """Fail before the task function runs if this rank resolves the job's config otherwise than rank 0: a
+    resolver without ``use_cache`` (a run id), or one registered only under ``if __name__ == "__main__":``."""
     here, theirs = _flat(_resolved_where_possible(task_cfg)), _flat(on_rank_0)
     for key in (key for key in theirs if here.get(key) != theirs[key]):
         written = _flat(OmegaConf.to_container(task_cfg))[key]
@@ -1767,8 +1710,8 @@ def _set_hydra_config(hydra: dict) -> None:
 
 
 def _run_config_contract(task_cfg: DictConfig, module_key: str, datamodule_key: str) -> None:
-    """The fallback task function: build the config's trainer, module (datamodule) and run each
-    stage rank 0 runs, as rank 0 announces them, until it announces the end of the job."""
+    """The fallback task function: build the config's trainer, module (datamodule) and run each stage rank 0
+    announces, until it announces the end of the job."""
     trainer = instantiate(task_cfg.trainer)
     module = instantiate(task_cfg[module_key])
     datamodule = None
@@ -1806,10 +1749,8 @@ def _exit_with_parent() -> None:
 
 
 def _import_launching_script(main: dict) -> None:
-    """Import rank 0's ``__main__`` as multiprocessing's spawn does, so ``__main__.X`` resolves.
-
-    Its ``if __name__ == "__main__":`` block does not run here.
-    """
+    """Import rank 0's ``__main__`` as multiprocessing's spawn does (its ``if __name__ == "__main__":``
+    block does not run), so that ``__main__.X`` resolves."""
     if "module" in main:
         namespace = runpy.run_module(main["module"], run_name="__mp_main__", alter_sys=False)
     elif "path" in main:
@@ -1822,8 +1763,7 @@ def _import_launching_script(main: dict) -> None:
 
 
 if __name__ == "__main__":
-    # The fork server, run as the module rank 0 imported (whose classes its strategies are), not
-    # as a second copy of it named __main__.
+    # The fork server, run as the module rank 0 imported, not as a second copy of it named __main__.
     _server = json.loads(os.environ.pop(_SERVER_ENV))
     sys.path[:] = _server["sys_path"]
     importlib.import_module(_server["module"])._serve_forks(_server["imports"])
