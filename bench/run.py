@@ -63,9 +63,10 @@ REPO = BENCH.parent
 sys.path.insert(0, str(BENCH))
 from probe import read_records
 
+from hydra_fsdp import LAUNCH_DELAY_ENV as DELAY_ENV
+
 APP = BENCH / "app.py"
 PLAIN = BENCH / "plain.py"
-DELAY_ENV = "MUSHIN_DDP_LAUNCH_DELAY"
 # The sweep's tiny model: 2 x Linear(32, 32), 4 steps of batch 8 per job.
 TINY = {"width": 32, "depth": 2, "batch": 8, "steps": 4}
 # The memory models: depth x Linear(2048, 2048); params = depth * (2048**2 + 2048).

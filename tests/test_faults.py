@@ -14,6 +14,7 @@ from helpers import (
     assert_failed_job_then_healthy_job,
     assert_ranks_agree,
     copy_app,
+    descendants,
     ok,
     records,
     start_sweep,
@@ -174,6 +175,26 @@ def test_stopping_the_sweep_ends_every_rank_and_the_fork_server(app, how, while_
     print(
         f"{how}, {while_}: the sweep exited {sweep.returncode} {took:.1f} s after the signal, rank 1 with it"
     )
+
+
+def test_a_signal_while_child_ranks_are_started_ends_every_one(app):
+    # rank 1 is forked, rank 2 waits out the stagger: SIGTERM comes while rank 0 starts its children
+    job = app / "sweep" / "0"
+    sweep = start_sweep(app, "module.lr=0.1,0.2", "trainer.devices=3", env={"MUSHIN_DDP_LAUNCH_DELAY": "30"})
+    try:
+        wait_for(lambda: (job / "rank_1.log").exists(), SWEEP_TIMEOUT, "rank 1 of job 0 to be forked")
+        forked = descendants(sweep.pid)  # the fork server and rank 1
+        stopped = time.monotonic()
+        sweep.proc.send_signal(signal.SIGTERM)
+        sweep.wait(timeout=10)
+        took = time.monotonic() - stopped
+    finally:
+        sweep.end()
+    assert sweep.returncode != 0, sweep.text()[-6000:]
+    wait_for(lambda: not any(alive(pid) for pid in forked), 10, f"the fork server and rank 1 {forked} to end")
+    assert len(forked) >= 2 and not (job / "rank_2.log").exists(), "no rank is started after the signal"
+    assert not (app / "sweep" / "1").exists(), sweep.text()[-6000:]
+    print(f"SIGTERM while starting child ranks: the sweep exited {sweep.returncode} {took:.1f} s after it")
 
 
 def test_a_sweep_that_ignores_sigint_ignores_it_on_every_rank(app):
