@@ -12,11 +12,17 @@ The LightningModule (model.Bench) is subclassed here, so HydraDDP's child ranks 
 as ``__main__.Bench``, as a user's would be.
 """
 
+import sys
+from pathlib import Path
+
 import model
 import pytorch_lightning as pl
 import torch
 from hydra_zen import builds, make_config, store, zen
 from probe import record
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "apps"))  # the tests' apps' settings
+from shapes import QUIET_CPU_TRAINER
 
 from hydra_fsdp import HydraDDP, HydraFSDP
 
@@ -42,16 +48,8 @@ class Bench(model.Bench):
 
 Trainer = builds(
     pl.Trainer,
-    accelerator="cpu",
-    devices=2,
-    max_epochs=1,
+    **QUIET_CPU_TRAINER,
     limit_train_batches="${module.steps}",
-    logger=False,
-    enable_checkpointing=False,
-    enable_progress_bar=False,
-    enable_model_summary=False,
-    num_sanity_val_steps=0,
-    default_root_dir="${hydra:runtime.output_dir}",
     populate_full_signature=True,
 )
 store(builds(HydraDDP), group="trainer/strategy", name="hydra_ddp")

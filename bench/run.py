@@ -420,22 +420,16 @@ def _median(values) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _fmt_ratio(values: list, digits: int = 2) -> str:
+def _fmt_ratio(values: list, digits: int = 2, unit: str = "") -> str:
+    """The median of ``values`` and, of more than one, their range: "1.07 (1.06-1.08)"."""
     if not values:
         return "n/a"
-    med = statistics.median(values)
-    if len(values) == 1:
-        return f"{med:.{digits}f}"
-    return f"{med:.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+    median = f"{statistics.median(values):.{digits}f}{unit}"
+    return median if len(values) == 1 else f"{median} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
 
 def _fmt_slope(values: list) -> str:
-    if not values:
-        return "n/a"
-    med = statistics.median(values)
-    if len(values) == 1:
-        return f"{med:.1f} s"
-    return f"{med:.1f} s ({min(values):.1f}-{max(values):.1f})"
+    return _fmt_ratio(values, digits=1, unit=" s")
 
 
 def _fmt_s(value: float | None) -> str:

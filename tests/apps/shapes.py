@@ -1,4 +1,5 @@
-"""A datamodule in a module next to the launching script: child ranks import it without PYTHONPATH.
+"""What the apps share, in a module next to the launching script (child ranks import it without
+PYTHONPATH): a datamodule and its data, and the Trainer settings of a quiet CPU run (also bench/app.py's).
 
 The app runs on the Lightning namespace APP_LIGHTNING names (default ``pytorch_lightning``).
 """
@@ -10,13 +11,30 @@ import torch
 
 pl = importlib.import_module(os.environ.get("APP_LIGHTNING", "pytorch_lightning"))
 
+# 2 CPU ranks, one epoch, nothing written or printed that the run does not ask for
+QUIET_CPU_TRAINER = {
+    "accelerator": "cpu",
+    "devices": 2,
+    "max_epochs": 1,
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+    "num_sanity_val_steps": 0,
+    "default_root_dir": "${hydra:runtime.output_dir}",
+}
+
+
+def regression_data(seed, samples):
+    """``samples`` random inputs of 8 features and their sum to learn, in batches of 8."""
+    x = torch.randn(samples, 8, generator=torch.Generator().manual_seed(seed))
+    return torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8
+    )
+
 
 class Shapes(pl.LightningDataModule):
     def _data(self):
-        g = torch.Generator().manual_seed(1)
-        x = torch.randn(48, 8, generator=g)
-        return torch.utils.data.DataLoader(
-            torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8
-        )
+        return regression_data(seed=1, samples=48)
 
     train_dataloader = val_dataloader = test_dataloader = predict_dataloader = _data

@@ -26,7 +26,7 @@ from hydra.experimental.callback import Callback
 from hydra.utils import get_original_cwd, instantiate
 from hydra_zen import builds, make_config, store
 from omegaconf import OmegaConf
-from shapes import Shapes, pl
+from shapes import QUIET_CPU_TRAINER, Shapes, pl, regression_data
 
 from hydra_fsdp import HydraDDP, HydraFSDP
 
@@ -111,11 +111,7 @@ class Tiny(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.seen["lr"])
 
     def _data(self):
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(64, 8, generator=g)
-        return torch.utils.data.DataLoader(
-            torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8
-        )
+        return regression_data(seed=0, samples=64)
 
     train_dataloader = val_dataloader = test_dataloader = predict_dataloader = _data
 
@@ -208,15 +204,7 @@ class RecordError(Callback):
 
 Trainer = builds(
     pl.Trainer,
-    accelerator="cpu",
-    devices=2,
-    max_epochs=1,
-    logger=False,
-    enable_checkpointing=False,
-    enable_progress_bar=False,
-    enable_model_summary=False,
-    num_sanity_val_steps=0,
-    default_root_dir="${hydra:runtime.output_dir}",
+    **QUIET_CPU_TRAINER,
     callbacks=None,
     # the process group's timeout, torch's default (30 min) unless a job sets trainer.strategy.timeout.seconds
     strategy=builds(
