@@ -835,7 +835,12 @@ class _Job:
         self.closing.callback(self.children.end)
 
     def launch(self, hydra_job: dict) -> None:
-        _share_cpus(self.spec.world_size)
+        # The CPUs split among the ranks, as Lightning's launcher does: N ranks each running a thread pool
+        # as large as the machine fight over every step. A value the user set stands.
+        if "OMP_NUM_THREADS" not in os.environ:
+            threads = max(1, len(os.sched_getaffinity(0)) // self.spec.world_size)
+            torch.set_num_threads(threads)
+            os.environ["OMP_NUM_THREADS"] = str(threads)
         self.sweep.follow(hydra_job["hydra_context"]).last_spec = self.spec
         self.runs_task = _rank_launch(self, hydra_job)
         for key, value in _NCCL_KEEPS_THE_PROCESS.items():  # rank 0's own: the children keep torch's
@@ -969,11 +974,15 @@ class _SignalWatch:
             os.close(self.write_fd)
             return
         if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # no Python handler: no wakeup byte
-            self.sigterm_was = signal.signal(signal.SIGTERM, _raise_system_exit)
+            self.sigterm_was = signal.signal(signal.SIGTERM, self.raise_system_exit)
         self.thread = threading.Thread(
             target=self._watch, args=(read_fd, on_signal), name="hydra-fsdp-signals", daemon=True
         )
         self.thread.start()
+
+    @staticmethod
+    def raise_system_exit(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
 
     @staticmethod
     def _watch(read_fd: int, on_signal: Callable[[int], None]) -> None:
@@ -987,24 +996,11 @@ class _SignalWatch:
         if self.thread is None:
             return
         signal.set_wakeup_fd(-1)
-        if self.sigterm_was is not None and signal.getsignal(signal.SIGTERM) is _raise_system_exit:
+        if self.sigterm_was is not None and signal.getsignal(signal.SIGTERM) is self.raise_system_exit:
             signal.signal(signal.SIGTERM, self.sigterm_was)
         os.close(self.write_fd)
         self.thread.join()
         self.thread = None
-
-
-def _raise_system_exit(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
-
-
-def _share_cpus(num_processes: int) -> None:
-    """Split the CPUs among a job's ranks, as Lightning's launcher does: N ranks each running a thread pool
-    as large as the machine fight over every step. A value the user set stands."""
-    if "OMP_NUM_THREADS" not in os.environ:
-        threads = max(1, len(os.sched_getaffinity(0)) // num_processes)
-        torch.set_num_threads(threads)
-        os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
 def _stage_for_children(trainer: Any, call: dict) -> dict:
