@@ -1,7 +1,8 @@
-"""A Hydra sweep of 2 jobs x 2 ranks with HydraFSDP (or HydraDDP), configured with hydra-zen.
+"""A Hydra sweep of 2 jobs x 2 ranks with HydraFSDP (or HydraDDP, HydraModelParallel), configured with hydra-zen.
 
-    python example_sweep.py -m                        # HydraFSDP, module.lr=0.01,0.05
-    python example_sweep.py -m trainer/strategy=ddp   # the same sweep with HydraDDP
+    python example_sweep.py -m                                   # HydraFSDP, module.lr=0.01,0.05
+    python example_sweep.py -m trainer/strategy=ddp              # the same sweep with HydraDDP
+    python example_sweep.py -m trainer/strategy=model_parallel   # with FSDP2 (Lightning, torch >= 2.4)
 
 It trains on 2 GPUs when there are 2, else on the CPU with 2 processes (gloo). Every rank of
 every job reports what it trained: rank 0 on the console, rank 1 in <job dir>/rank_1.log.
@@ -14,7 +15,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra_zen import builds, make_config, store, zen
 
-from hydra_fsdp import HydraDDP, HydraFSDP
+from hydra_fsdp import HydraDDP, HydraFSDP, HydraModelParallel
 
 
 class Regressor(pl.LightningModule):
@@ -25,6 +26,17 @@ class Regressor(pl.LightningModule):
         self.lr = lr
         self.net = torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.ReLU(), torch.nn.Linear(width, 1))
         self.total_parameters = sum(p.numel() for p in self.net.parameters())
+
+    def configure_model(self):
+        """HydraModelParallel's: shard each Linear and the whole with FSDP2, once (Lightning calls this before
+        every stage). Under the other strategies there is no device mesh, and nothing to do here."""
+        if not isinstance(self.trainer.strategy, HydraModelParallel):
+            return
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if not isinstance(self.net, FSDPModule):
+            for layer in (self.net[0], self.net[2], self.net):
+                fully_shard(layer, mesh=self.device_mesh["data_parallel"])
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -41,7 +53,7 @@ class Regressor(pl.LightningModule):
         return torch.utils.data.DataLoader(data, batch_size=32)
 
     def on_train_end(self):
-        held = sum(p.numel() for p in self.trainer.model.parameters())
+        held = sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in self.trainer.model.parameters())
         print(
             f"rank {self.global_rank}/{self.trainer.world_size} (pid {os.getpid()}) of job"
             f" {HydraConfig.get().job.num}: lr={self.lr}, {type(self.trainer.strategy).__name__},"
@@ -65,6 +77,11 @@ Trainer = builds(
 )
 store(builds(HydraFSDP), group="trainer/strategy", name="fsdp")
 store(builds(HydraDDP), group="trainer/strategy", name="ddp")
+store(  # FSDP2 over both ranks: the default mesh (1 x 2) would shard no data
+    builds(HydraModelParallel, data_parallel_size=2, tensor_parallel_size=1),
+    group="trainer/strategy",
+    name="model_parallel",
+)
 store(
     make_config(
         hydra_defaults=["_self_", {"trainer/strategy": "fsdp"}],

@@ -1,22 +1,17 @@
 # SPDX-License-Identifier: MIT
 # hydra_fsdp -- one file, meant to be copied into a project: keep this header. The version below is
 # that of the hydra_fsdp repository this copy was taken from (its README and tests live there).
-"""Lightning's DDP and FSDP strategies that work under Hydra, ``--multirun`` sweeps included.
+"""Lightning's DDP, FSDP and FSDP2 strategies that work under Hydra, ``--multirun`` sweeps included.
 
-``HydraDDP`` and ``HydraFSDP`` start every child rank of a Hydra job from that job's own config, as
+``HydraDDP``, ``HydraFSDP`` and ``HydraModelParallel`` start every child rank of a Hydra job from that job's own config, as
 rank 0's task function received it (pickled, types included), and run the job's own task function on
 it, instead of re-running ``sys.argv`` (the whole sweep) as Lightning does. Sections follow a job: what
 rank 0 reads, what a child runs, the fork server that starts children, rank 0's sweep (``_Sweep``, what
 lasts from job to job) and job, the check that every rank runs the same thing, the strategies, and a
 child rank's own start.
 
-Private names used, each guarded where it is used (a change raises ``RankLaunchError`` naming it and
-``_KNOWN_TO_WORK``): Hydra's ``run_job`` locals (``task_function``, ``task_cfg``, ``config``,
-``hydra_context``, ``ret``), ``hydra_context.callbacks.callbacks``, ``HydraConfig.instance().cfg`` and
-``JobReturn._return_value``; torch's ``_world.group_count`` and ``pg_map``, TCPStore's cache of
-multi-tenant stores, ``ProcessGroup._device_types``/``_get_backend``, NCCL's ``_shutdown`` (< 2.6),
-``_abort_process_group``, FSDP's ``_handle.flat_param`` and ``_fsdp_wrapped_module``; Lightning's
-``FSDPStrategy._setup_model`` and ``_state_dict_type``, ``meta.pt`` and ``rank_zero_only.rank``.
+Private names of torch, Lightning and Hydra are used only where no public API does the job, each
+guarded where it is used: a change upstream raises ``RankLaunchError`` naming it (``_upstream_changed``).
 """
 
 __version__ = "0.2.0"
@@ -64,7 +59,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
-__all__ = ["ChildRankError", "HydraDDP", "HydraFSDP", "RankLaunchError"]
+__all__ = ["ChildRankError", "HydraDDP", "HydraFSDP", "HydraModelParallel", "RankLaunchError"]
 
 log = logging.getLogger(__name__)
 
@@ -81,11 +76,10 @@ _SERVER_ENV = "HYDRA_FSDP_FORK_SERVER"  # set for the fork server: what it impor
 _CHECK_IN_KEY = "hydra_fsdp/ready/{}"
 _GO_KEY = "hydra_fsdp/go"  # rank 0 runs this job with these children: they may run the task function
 _STAGE_KEY = "hydra_fsdp/stage/{}"  # the fallback: the stages rank 0 runs, in order
-# What a job may change in rank 0's environment (Lightning sets MASTER_*, deletes WORLD_SIZE): put back
-# after it, so that the next job neither reuses its port nor mistakes itself for a child.
+# What a job may change in rank 0's environment (Lightning sets MASTER_*, deletes WORLD_SIZE): put back.
 _RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
-# Rank 0 is the sweep: on a dead peer or a timeout its NCCL groups are to abort and keep the process (2),
-# not tear it down (torch's default, 3), nor dump state. For its jobs only; a user's value stands.
+# Rank 0 is the sweep: on a dead peer its NCCL groups abort and keep the process (2), not tear it down
+# (torch's default, 3). For its jobs only; a user's value stands.
 _NCCL_KEEPS_THE_PROCESS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
 # How often a wait looks again at what only polling shows (a check-in): on the path of every job.
 _POLL_INTERVAL = 0.01
@@ -118,7 +112,7 @@ def _upstream_changed(name: str, why: str) -> RankLaunchError:
     return RankLaunchError(
         f"hydra_fsdp relies on {name}, private to its package, to {why}; the version installed here"
         f" does not have it as expected. Known to work: {_KNOWN_TO_WORK}. Install one of those, or"
-        " adapt the copy of hydra_fsdp.py (its docstring lists every private name it uses)."
+        " adapt the copy of hydra_fsdp.py where it calls _upstream_changed for it."
     )
 
 
@@ -140,8 +134,7 @@ def _launch_delay() -> float:
 
 
 def _hydra_job() -> dict | None:
-    """The locals of Hydra's ``run_job`` (on rank 0, under torchrun or SLURM) or of ``_run_child_rank`` (a
-    child we started), or None outside a Hydra job."""
+    """The locals of Hydra's ``run_job`` (rank 0, torchrun, SLURM) or ``_run_child_rank``, or None."""
     from hydra.core.utils import run_job
 
     frame = inspect.currentframe()
@@ -209,11 +202,9 @@ def _launching_script() -> dict:
 
 
 class _ByReference(pickle.Pickler):
-    """Pickle a task function, a config's classes, by reference, as multiprocessing's spawn passes a child
-    its target. ``@hydra.main`` hands Hydra the undecorated ``main``, which pickle's lookup refuses: it is
-    pickled as "``__wrapped__``, n times, of the module's ``main``". A dataclass made at run time
-    (hydra-zen's ``builds``: module ``types``) is pickled as its fields, to be made again. ``named``: by
-    module, the first name pickled from it."""
+    """Pickle a task function, a config's classes, by reference, as multiprocessing's spawn does. A
+    ``@hydra.main`` function is pickled as "``__wrapped__``, n times, of the module's ``main``", a dataclass
+    made at run time (hydra-zen's: module ``types``) as its fields. ``named``: by module, a name pickled."""
 
     def __init__(self, file: io.BytesIO) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
@@ -316,8 +307,8 @@ def _rank_launch(job: "_Job", hydra_job: dict) -> bool:
             python /path/to/hydra_fsdp.py <config>  < /dev/null  >> <job dir>/rank_<r>.log 2>&1
 
     where ``<config>`` is ``<job dir>/rank_config.pickle`` (``_write_launch``), with the rest of rank
-    0's environment, in its working directory, ``MUSHIN_DDP_LAUNCH_DELAY`` seconds apart -- in effect:
-    forked by the sweep's fork server. Return whether they run the job's task function (else the fallback).
+    0's environment, in its working directory, ``MUSHIN_DDP_LAUNCH_DELAY`` seconds apart, forked by the
+    sweep's fork server. Return whether they run the task function (else the fallback).
     """
     spec, config_path = job.spec, job.children.job_dir / _LAUNCH_FILE
     delay = _launch_delay()
@@ -358,12 +349,11 @@ def _wait_until(said: threading.Condition, done: Callable[[], Any], timeout: flo
 class _ForkServer:
     """A process that imports torch, Lightning and Hydra once and forks every child rank of a sweep.
 
-    A child started from scratch pays those imports on every job (seconds); a fork of a process that
-    holds them is up in milliseconds, and still a fresh process (rank 0's script imported anew, the
-    job's environment). So the server imports nothing more (but hydra-zen), starts no thread and never
-    touches CUDA. It runs as ``python /path/to/hydra_fsdp.py``, reads a child's command a line on stdin,
-    answers its pid and later its exit code on stdout (read by a thread, which notifies ``said`` and calls
-    a failed child's ``on_failure``), and ends, ending its children, when rank 0 closes its stdin or dies.
+    A fork of a process that holds those imports is up in milliseconds, not seconds, and still a fresh
+    process (rank 0's script imported anew, the job's environment); so the server imports nothing more,
+    starts no thread and never touches CUDA. Run as ``python /path/to/hydra_fsdp.py``, it reads a child's
+    command a line on stdin, answers its pid and later its exit code (read by a thread, which notifies
+    ``said`` and calls a failed child's ``on_failure``), and ends, ending its children, with rank 0.
     """
 
     def __init__(self, lightning: str, said: threading.Condition) -> None:
@@ -406,9 +396,8 @@ class _ForkServer:
     def start(
         self, command: list, env: dict, log: Path, timeout: float, on_failure: Callable[[], None]
     ) -> "_ForkedChild":
-        """Have the server fork a child that runs ``command`` with ``env``, writing to ``log``, within
-        ``timeout`` seconds (the first child waits for the server's imports); ``on_failure`` is called,
-        on the reader's thread, if it exits with an error (before this returns no stage runs)."""
+        """Have the server fork a child running ``command`` with ``env`` into ``log`` within ``timeout``
+        s; ``on_failure`` is called, on the reader's thread, if it exits with an error."""
         request = {"command": command, "env": env, "cwd": os.getcwd(), "log": str(log)}
         with contextlib.suppress(BrokenPipeError):  # a server that died says so by its end
             self.proc.stdin.write(json.dumps(request).encode() + b"\n")
@@ -466,12 +455,11 @@ class _ForkedChild:
 
 
 def _serve_forks(imports: list) -> None:
-    """The fork server's loop: fork a child per request, report each exit."""
+    """The fork server's loop: fork a child per request, report its exit."""
     gc.disable()  # collecting a growing heap would take a fifth of the imports' time
     for name in imports:  # what every child needs, imported once for all of them
         importlib.import_module(name)
-    # The children's collections skip what the server holds: a full one takes 0.2 s, and writes to (and
-    # so copies) every page those objects lie on.
+    # The children's collections skip what the server holds (0.2 s, and a copy of every page).
     gc.freeze()
     gc.enable()
     replies = os.dup(1)
@@ -529,7 +517,7 @@ def _run_forked(request: dict, lightning: str, replies: int, sigint: Any) -> Non
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
-        # What a process started from scratch reads at start-up, read again in the job's environment.
+        # What a fresh process reads at start-up, read again in the job's environment.
         _set_rank_zero_only(lightning, int(os.environ["LOCAL_RANK"]))
         if "OMP_NUM_THREADS" in os.environ:
             torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -545,8 +533,7 @@ def _run_forked(request: dict, lightning: str, replies: int, sigint: Any) -> Non
 
 
 class _LaunchSpec(NamedTuple):
-    """What starting a job's child ranks takes from its strategy: how many, where, with which Lightning,
-    how long each may take, and where the fallback finds the module in the config."""
+    """What starting a job's child ranks takes from its strategy."""
 
     world_size: int
     address: str
@@ -557,11 +544,9 @@ class _LaunchSpec(NamedTuple):
 
 
 class _Sweep(Callback):
-    """What rank 0, the sweep's process, keeps from one job to the next, in one place (``_sweep``); also the
-    Hydra callback that follows the jobs (``follow``): a job's start starts its ranks if the last job had
-    ranks (they import rank 0's script while rank 0 builds its trainer), a job's end ends them and lets
-    go of what the job held, the sweep's end ends the fork server. Only ``said`` is shared with a thread.
-    """
+    """What rank 0, the sweep's process, keeps from one job to the next (``_sweep``), and the Hydra callback
+    that follows the jobs: a job's start starts its ranks if the last job had ranks, a job's end ends them
+    and frees what the job held, the sweep's end ends the fork server. Only ``said`` is shared."""
 
     def __init__(self) -> None:
         self.said = threading.Condition()  # notified whenever the fork server says something
@@ -615,9 +600,8 @@ class _Sweep(Callback):
             self.fork_server = None
 
     def new_store(self, address: str) -> torch.distributed.TCPStore:
-        """A job's store, which init_process_group reuses: on a port the OS picks, never one an earlier job
-        had (offered again after 6 to 160 jobs): torch looks the store up by port in a cache where an earlier
-        job's dead store hides this one, and init_process_group fails with EADDRINUSE."""
+        """A job's store, which init_process_group reuses, on a port no earlier job had: torch's cache
+        of stores by port would hide it behind an earlier job's dead one (EADDRINUSE)."""
         refused = []  # held until a new port is found, so that the OS offers another
         while True:
             store = torch.distributed.TCPStore(
@@ -629,7 +613,7 @@ class _Sweep(Callback):
             refused.append(store)
 
     def follow(self, hydra_context: Any) -> "_Sweep":
-        # Hydra's Callbacks (private) are the only way to its job ends without the user's config.
+        # Hydra's Callbacks (private): the only way to its job ends without the user's config.
         callbacks = getattr(getattr(hydra_context, "callbacks", None), "callbacks", None)
         if not isinstance(callbacks, list):
             raise _upstream_changed("hydra_context.callbacks.callbacks, a list", "follow Hydra's jobs")
@@ -638,8 +622,8 @@ class _Sweep(Callback):
         return self
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
-        # What was alive before the job, frozen, is not scanned by its end's collection (most of a second).
-        # Not where someone froze objects of their own (DataLoader workers): unfreezing would undo it.
+        # What was alive before the job, frozen, is not scanned by its end's collection (most of a second);
+        # not where someone froze objects of their own.
         if gc.get_freeze_count() == 0:  # (frozen still if the last job raised past its end: SystemExit)
             gc.freeze()
             self.froze = True
@@ -668,9 +652,8 @@ _sweep = _Sweep()
 
 
 class _StageAbort:
-    """Whether the job's process groups were aborted, and for which child. The fork server's thread aborts
-    for a child that failed, the main thread runs the stage: one lock, so that no abort comes once the
-    stage has ended."""
+    """Whether the job's process groups were aborted, and for which child: the fork server's thread
+    aborts, the main thread runs the stage; one lock, so that no abort comes after the stage."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -737,7 +720,7 @@ class _ChildRanks:
                 self.unkillable.add(rank)
                 log.warning(
                     f"hydra_fsdp: child rank {rank} (pid {proc.pid}) is still there {_KILL_WAIT:g} s after SIGKILL"
-                    " (in uninterruptible sleep: a hung driver or file system?); the sweep goes on without it."
+                    " (uninterruptible sleep: a hung driver or file system?); the sweep goes on without it."
                 )
 
     def log(self, rank: int) -> Path:
@@ -809,10 +792,9 @@ class _ChildRanks:
 
 
 class _Job:
-    """Rank 0's side of one Hydra job: its child ranks, its store and port, its process group. Started at
-    the job's first stage or at Hydra's start of the job (the children wait for rank 0's go), ended when
-    Hydra ends the job (``finish``): fit then test, a second Trainer, run on one set of ranks, as under
-    stock DDP. ``close`` undoes what the job did, the last first, however it ended."""
+    """Rank 0's side of one Hydra job: its child ranks, store and process group, from its first stage (or
+    Hydra's start of the job) until Hydra ends it (``finish``), so that all its stages run on one set of
+    ranks. ``close`` undoes what the job did, the last first, however it ended."""
 
     def __init__(self, sweep: _Sweep, spec: _LaunchSpec, hydra_job: dict) -> None:
         self.sweep, self.spec = sweep, spec
@@ -835,8 +817,7 @@ class _Job:
         self.closing.callback(self.children.end)
 
     def launch(self, hydra_job: dict) -> None:
-        # The CPUs split among the ranks, as Lightning's launcher does: N ranks each running a thread pool
-        # as large as the machine fight over every step. A value the user set stands.
+        # The CPUs split among the ranks, as Lightning's launcher does (a user's value stands).
         if "OMP_NUM_THREADS" not in os.environ:
             threads = max(1, len(os.sched_getaffinity(0)) // self.spec.world_size)
             torch.set_num_threads(threads)
@@ -955,10 +936,9 @@ def _restore_environ(saved: dict) -> None:
 
 
 class _SignalWatch:
-    """End the job's children the moment SIGTERM or SIGINT reaches rank 0, however busy it is: Python runs
-    a handler only once the main thread is back in the interpreter, which a rank 0 blocked in a collective
-    never is, but the C-level handler writes the signal to the wakeup fd at once. This thread reads it
-    and ends the children, the collective fails, and the main thread runs the handlers."""
+    """End the job's children the moment SIGTERM or SIGINT reaches rank 0: Python runs a handler only
+    once the main thread is back in the interpreter, which one blocked in a collective never is, but the
+    C handler writes the signal to the wakeup fd at once. This thread reads it and ends the children."""
 
     def __init__(self, on_signal: Callable[[int], None]) -> None:
         self.thread: threading.Thread | None = None
@@ -1018,21 +998,19 @@ def _stage_for_children(trainer: Any, call: dict) -> dict:
 def _destroy_process_group(aborted: bool = False) -> None:
     if not torch.distributed.is_available():
         return
-    # (No local name for the group here: its last reference must not outlive the destroy, see below.)
+    # (No local name for the group: its last reference must not outlive the destroy, see below.)
     if aborted and hasattr(torch.distributed.group.WORLD, "abort"):  # torch >= 2.7: a graceful destroy
         abort = getattr(torch.distributed.distributed_c10d, "_abort_process_group", None)  # could wait
         if abort is None:
             raise _upstream_changed("torch's distributed_c10d._abort_process_group", "end an aborted group")
         abort(torch.distributed.group.WORLD)
     if torch.distributed.is_initialized():
-        # Hold the group's backends while it is destroyed: their last reference then goes with the GIL
-        # released. torch < 2.4 frees the group holding the GIL, and gloo's destructor waits for a worker
-        # that needs it (6 of 20 runs hung on torch 2.3).
+        # Hold the group's backends while it is destroyed: torch < 2.4 frees the group holding the GIL, and
+        # gloo's destructor waits for a worker that needs it (6 of 20 runs hung on torch 2.3).
         backends = _backends_of(torch.distributed.group.WORLD)
         torch.distributed.destroy_process_group()
         del backends
-    # A failed init_process_group counted a group it never made: the next job's rank 0 would wait for keys
-    # of group "1" while its children write "0" (nothing public resets it).
+    # A failed init_process_group counted a group it never made: the next job would wait for group "1".
     world = getattr(torch.distributed.distributed_c10d, "_world", None)
     if not isinstance(getattr(world, "group_count", None), int):
         raise _upstream_changed("torch's distributed_c10d._world.group_count", "reset its count of groups")
@@ -1040,9 +1018,9 @@ def _destroy_process_group(aborted: bool = False) -> None:
 
 
 def _abort_groups() -> None:
-    """Abort the process groups, from any thread, with what this torch has: ``abort`` of every group (>= 2.7:
-    a DeviceMesh has groups of its own), else the default group's NCCL ``abort`` (2.6) or ``_shutdown``
-    (2.3-2.5, safe on one communicator only). Gloo needs none. Raises nothing of its own."""
+    """Abort the process groups, from any thread: ``abort`` of every group (torch >= 2.7: a
+    DeviceMesh has its own), else the default group's NCCL ``abort`` (2.6) or ``_shutdown`` (2.3-2.5).
+    Gloo needs none. Raises nothing of its own."""
     world = torch.distributed.group.WORLD
     if hasattr(world, "abort"):
         registry = getattr(torch.distributed.distributed_c10d, "_world", None)
@@ -1063,22 +1041,20 @@ def _backends_of(group: Any) -> list:
 
 
 def _end_process_groups_at_exit() -> None:
-    """Destroy the process group, and let go of every one, while the interpreter is whole: gloo's threads,
-    alive while anything holds a group (an FSDP module, in a cycle), abort the process at exit (SIGABRT).
-    Frozen then, the rest is not scanned again by the exit's collections (a second)."""
+    """Destroy the process groups while the interpreter is whole: gloo's threads, alive while anything
+    holds a group (an FSDP module, in a cycle), abort the process at exit (SIGABRT). Then freeze the rest."""
     _destroy_process_group()
     gc.collect()
     gc.freeze()
 
 
 def _let_go_of_the_job(job_return: Any, wrapped: list) -> None:
-    """Free what the job that just ended held here, where every later job runs: cyclic garbage (a Trainer),
-    the FSDP wrappers' flat parameters, and a failed job's traceback, which Hydra keeps: its frames hold
-    the module and optimizer. What the user's code can reach (a module the task returned) stays whole."""
+    """Free what the job that just ended held here, where every later job runs: cyclic garbage, the
+    FSDP wrappers' flat parameters, and a failed job's traceback (Hydra keeps it: its frames hold the
+    module and optimizer). What the user's code can reach stays whole."""
     error = getattr(job_return, "_return_value", None) if job_return.status is JobStatus.FAILED else None
     while isinstance(error, BaseException) and error.__traceback__ is not None:  # the error, its causes
-        # Its text stays. (Clearing the frames is not enough from Python 3.11: a cleared frame holds its
-        # function, and a closure what it captured: Lightning's trainer.)
+        # Its text stays (clearing the frames is not enough: a cleared frame holds its function).
         _add_note(
             error, "Traceback (most recent call last):\n" + "".join(traceback.format_tb(error.__traceback__))
         )
@@ -1109,9 +1085,8 @@ def _add_note(error: BaseException, note: str) -> None:
 
 
 class _HydraRankLauncher:
-    """Start a job's child ranks from the job's config, never from ``sys.argv``: unlike Lightning's
-    ``_SubprocessScriptLauncher``'s, they run the Hydra job's task function, live as long as the job,
-    and a failed rank fails its job instead of killing the process (under ``--multirun``, the sweep)."""
+    """Start a job's child ranks from its config, never from ``sys.argv`` (which, under ``--multirun``, is
+    the sweep): they run the job's task function, live as long as the job, and a failed one fails its job."""
 
     def __init__(self, strategy: "_HydraStrategy") -> None:
         self.strategy = strategy
@@ -1178,9 +1153,8 @@ def _check_launched_world_size(num_nodes: int, devices: int) -> None:
 
 
 def _check_ranks_agree(strategy: "_HydraStrategy") -> None:
-    """Fail the stage on every rank if the ranks are about to run different things, once the process group
-    is up: ranks that build different trainers (a callback on rank 0 alone) run different collectives
-    and deadlock; ranks that resolve different configs (a ``${now:...}`` under torchrun) split one job."""
+    """Fail the stage on every rank if the ranks are about to run different things: different trainers
+    (a callback on rank 0 alone) deadlock; different configs (``${now:...}`` under torchrun) split a job."""
     mine = _flat(_what_this_rank_runs(strategy))
     everyone: list = [None] * strategy.world_size
     torch.distributed.all_gather_object(everyone, mine)
@@ -1213,7 +1187,7 @@ def _check_ranks_agree(strategy: "_HydraStrategy") -> None:
 def _what_this_rank_runs(strategy: "_HydraStrategy") -> dict:
     module = strategy.lightning_module
     trainer = module.trainer
-    # an FSDP module that ran a stage holds its shard: shapes and sizes differ by rank, by design
+    # an FSDP module that ran a stage holds its shard: shapes differ by rank, by design
     full = strategy._holds_full_parameters()
     shapes = [
         (name, tuple(p.shape) if full else "sharded", str(p.dtype)) for name, p in module.named_parameters()
@@ -1253,8 +1227,8 @@ def _flat(tree: Any, prefix: str = "") -> dict:
 
 # The oldest releases this file runs on, as pyproject.toml declares them (a copy of it never sees that).
 _MINIMUM_VERSIONS = {"torch": "2.3", "hydra-core": "1.3.0", "pytorch-lightning": "2.2", "lightning": "2.2"}
-# Lightning refuses FSDP without a GPU before 2.3.0 ("GPU accelerator is not used").
-_FSDP_ON_CPU_LIGHTNING = "2.3.0"
+# Beyond that: Lightning refuses FSDP without a GPU before 2.3.0; ModelParallelStrategy needs 2.4 of both.
+_NEEDS = {"HydraFSDP": ("2.3.0", "2.3", "without a GPU"), "HydraModelParallel": ("2.4", "2.4", "")}
 
 
 def _release(version: str) -> tuple:
@@ -1263,7 +1237,7 @@ def _release(version: str) -> tuple:
     return tuple(int(part) for part in match.group().split(".")) if match else ()
 
 
-def _check_versions(lightning: types.ModuleType, fsdp: bool) -> None:
+def _check_versions(lightning: types.ModuleType, strategy: str) -> None:
     """Refuse to build a strategy on releases older than it runs on, naming what is needed."""
     import hydra
 
@@ -1276,12 +1250,14 @@ def _check_versions(lightning: types.ModuleType, fsdp: bool) -> None:
         needs = ", ".join(f"{name}>={_MINIMUM_VERSIONS[name]} (found {found[name]})" for name in too_old)
         install = " ".join(f"'{name}>={_MINIMUM_VERSIONS[name]}'" for name in too_old)
         raise ImportError(f"hydra_fsdp needs {needs}: pip install {install}.")
-    needed = f"{lightning_name}>={_FSDP_ON_CPU_LIGHTNING}"
-    refuses_the_cpu = _release(found[lightning_name]) < _release(_FSDP_ON_CPU_LIGHTNING)
-    if fsdp and refuses_the_cpu and not torch.cuda.is_available():
+    lightning_needed, torch_needed, where = _NEEDS.get(strategy, ("0", "0", ""))
+    needed = {lightning_name: lightning_needed, "torch": torch_needed}
+    too_old = [name for name in needed if _release(found[name]) < _release(needed[name])]
+    if too_old and not (where and torch.cuda.is_available()):
         raise ImportError(
-            f"HydraFSDP without a GPU needs {needed} (found {found[lightning_name]}, which refuses FSDP on"
-            f" the CPU): pip install '{needed}', or use HydraDDP."
+            f"{strategy} {where + ' ' if where else ''}needs "
+            + ", ".join(f"{name}>={needed[name]} (found {found[name]})" for name in too_old)
+            + f": pip install {' '.join(repr(f'{name}>={needed[name]}') for name in too_old)}, or use HydraDDP."
         )
 
 
@@ -1312,7 +1288,7 @@ class _HydraStrategy:
         for name, key in config_keys.items():
             if not isinstance(key, str) or not key:
                 raise ValueError(f"{name}={key!r}: expected the non-empty name of a key of the job's config.")
-        _check_versions(self._lightning, fsdp=isinstance(self, self._lightning.strategies.FSDPStrategy))
+        _check_versions(self._lightning, type(self).__name__)
         super().__init__(*args, **kwargs)
         self.rank_timeout = rank_timeout
         self._config_keys = config_keys
@@ -1323,7 +1299,7 @@ class _HydraStrategy:
         return _HydraRankLauncher(self)
 
     def __repr__(self) -> str:
-        # A Trainer of the other namespace refuses the strategy by its repr: say which one it takes.
+        # A Trainer of the other namespace refuses the strategy by its repr: say which it takes.
         name = type(self).__name__
         spellings = [f"{__name__}.{ns}.{name} for a {package}.Trainer" for ns, package in _NAMESPACES.items()]
         return f"<{__name__}.{type(self).__qualname__}: use {' or '.join(spellings)}>"
@@ -1383,7 +1359,7 @@ class _HydraFSDP(_HydraStrategy):
             device_id=self.root_device,
             **self.kwargs,
         )
-        # Lightning warns about, and drops, an auto_wrap_policy given with a wrapped model; ours applied it.
+        # Lightning drops, warning, an auto_wrap_policy given with a wrapped model; ours applied it.
         auto_wrap_policy = self.kwargs.pop("auto_wrap_policy", None)
         try:
             return super()._setup_model(wrapped)
@@ -1398,9 +1374,8 @@ class _HydraFSDP(_HydraStrategy):
             return self.model.state_dict()
 
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any = None) -> None:
-        # An nn.Module kept in the hyperparameters (save_hyperparameters() of a `net`) would be pickled
-        # sharded, which no loader can put back: a full checkpoint's holds the full state dict's tensors
-        # (stored once, as in DDP's file), a sharded one's metadata the gathered parameters.
+        # An nn.Module kept in the hyperparameters would be pickled sharded, which no loader can put back:
+        # pickle it holding the full state dict's tensors (full), or the gathered parameters (sharded).
         modules = _modules_in(checkpoint.get("hyper_parameters"))
         if not modules:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
@@ -1412,9 +1387,8 @@ class _HydraFSDP(_HydraStrategy):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, **kwargs: Any) -> dict:
-        """Load a checkpoint HydraFSDP or HydraDDP wrote. A full one memory-mapped (Lightning's lazy loader
-        cannot rebuild a Parameter pickled in the hyperparameters): each rank reads the pages of its shard.
-        A sharded one as Lightning does, but also with an optimizer whose empty state the shards drop."""
+        """Load a checkpoint HydraFSDP or HydraDDP wrote: a full one memory-mapped (Lightning's lazy
+        loader cannot rebuild a pickled Parameter), a sharded one also with an optimizer without state."""
         path = Path(self.broadcast(checkpoint_path))
         weights_only = kwargs.get("weights_only")  # Lightning's default, None, is torch.load's default
         fitting = self.lightning_module.trainer.state.fn == "fit"
@@ -1482,10 +1456,55 @@ class _HydraFSDP(_HydraStrategy):
         return self._state_dict_type == "full" and self.root_device.type == "cpu"
 
 
+class _HydraModelParallel(_HydraStrategy):
+    """What HydraModelParallel adds: two easy mistakes named, a full checkpoint of SGD loadable."""
+
+    def setup_environment(self) -> None:
+        by_default = (
+            getattr(self, "_data_parallel_size", 0) == getattr(self, "_tensor_parallel_size", 1) == "auto"
+        )
+        super().setup_environment()
+        if by_default and self.num_nodes == 1 and self.world_size > 1:
+            log.warning(
+                f"hydra_fsdp: HydraModelParallel's default mesh on one node is data_parallel=1 x tensor_parallel="
+                f"{self.world_size}: fully_shard over its data_parallel shards nothing, every rank reads the same"
+                f" batches. For FSDP2 alone set data_parallel_size={self.world_size}, tensor_parallel_size=1."
+            )
+
+    @contextlib.contextmanager
+    def model_sharded_context(self) -> Any:
+        try:
+            with super().model_sharded_context():  # around configure_model
+                yield
+        except AssertionError as error:
+            if "can only be applied to a module once" not in str(error):
+                raise
+            raise RuntimeError(
+                "configure_model() sharded a module again: Lightning calls it before every stage (fit, then test)."
+                " Make it idempotent: skip a module already sharded (`isinstance(module, FSDPModule)`)."
+            ) from error
+
+    def load_checkpoint(self, checkpoint_path: Any, **kwargs: Any) -> dict:
+        # A full checkpoint of optimizers without per-parameter state (SGD) fails in lightning_fabric's
+        # _rekey_optimizer_state_if_needed (IndexError): with nothing to reshard, torch's own load does.
+        path = Path(self.broadcast(checkpoint_path))
+        saved = torch.load(path, mmap=True, weights_only=kwargs.get("weights_only")) if path.is_file() else {}
+        states = saved.get("optimizer_states") or [{"state": True}]
+        if any(state["state"] for state in states):
+            return super().load_checkpoint(path, **kwargs)
+        optimizers, self.optimizers = self.optimizers, []
+        try:
+            checkpoint = super().load_checkpoint(path, **kwargs)
+        finally:
+            self.optimizers = optimizers
+        for optimizer, state in zip(optimizers, states):
+            optimizer.load_state_dict(state)
+        return checkpoint
+
+
 def _free_flat_parameters(wrapper: torch.nn.Module) -> None:
-    """Let the flat parameters of ``wrapper`` be freed once nothing else holds them: a flat parameter refers
-    to the modules it flattened (torch >= 2.13), whose weights are views of it, and to a hook a failed
-    step left on its gradient's node; both edges back go through C++, where Python's gc sees no cycle."""
+    """Let ``wrapper``'s flat parameters be freed: one refers to the modules it flattened (torch
+    >= 2.13) and to a hook a failed step left, and both edges back go through C++, where gc sees no cycle."""
     for unit in _fsdp().FullyShardedDataParallel.fsdp_modules(wrapper):
         flat_param = getattr(getattr(unit, "_handle", None), "flat_param", None)
         if flat_param is None and hasattr(unit, "_handle"):
@@ -1517,9 +1536,9 @@ def _modules_in(value: Any) -> list:
 
 @contextlib.contextmanager
 def _unsharded_while_pickled(modules: list, state_dict: dict, root: torch.nn.Module) -> Any:
-    """While the checkpoint is pickled, give ``modules`` (submodules of ``root``) what DDP's would hold: each
-    FSDP unit inside them as the module it wraps (a unit's process groups do not pickle), each parameter
-    as the tensor of rank 0's full ``state_dict`` (empty on the other ranks, which pickle nothing)."""
+    """While the checkpoint is pickled, give ``modules`` (in ``root``) what DDP's would hold: each
+    FSDP unit as the module it wraps (process groups do not pickle), each parameter as the tensor of rank
+    0's full ``state_dict``."""
     undo = []
     try:
         for parent in [inner for module in modules for inner in module.modules()]:
@@ -1547,9 +1566,8 @@ def _unwrapped_name(name: str) -> str:
 
 
 def _full_state_dict_in_place(module: torch.nn.Module, rank0_only: bool = True) -> Any:
-    """FSDP's full-state-dict context without ``offload_to_cpu``: Lightning always offloads, which with
-    shards already on the CPU frees memory the state dict still points to: a segfault (Lightning issue
-    #21804). To save, rank 0 alone gathers; to load, every rank takes its shard of the full state."""
+    """FSDP's full-state-dict context without ``offload_to_cpu``, which with shards on the CPU frees
+    memory the state dict points to: a segfault (Lightning issue #21804). Rank 0 alone gathers to save."""
     fsdp, config = _fsdp(), {"offload_to_cpu": False, "rank0_only": rank0_only}
     return fsdp.FullyShardedDataParallel.state_dict_type(
         module=module,
@@ -1581,9 +1599,13 @@ def _strategies_for(namespace: str) -> types.SimpleNamespace:
         attributes = {"__module__": __name__, "__qualname__": qualname, "__doc__": public.__doc__}
         return type(public.__name__, bases, {**attributes, "_lightning": lightning})
 
+    model_parallel = getattr(
+        strategies, "ModelParallelStrategy", strategies.ParallelStrategy
+    )  # (< 2.4: refused)
     return types.SimpleNamespace(
         HydraDDP=build(HydraDDP, _HydraStrategy, strategies.DDPStrategy),
         HydraFSDP=build(HydraFSDP, _HydraFSDP, strategies.FSDPStrategy),
+        HydraModelParallel=build(HydraModelParallel, _HydraModelParallel, model_parallel),
     )
 
 
@@ -1618,15 +1640,19 @@ class _OfTheLightningImported(type):
 
 
 class HydraDDP(metaclass=_OfTheLightningImported):
-    """Lightning's ``DDPStrategy``, with every child rank running the Hydra job's own task function, built
-    on the Lightning your program imported. Extra arguments: ``rank_timeout`` (seconds the fork server
-    may take to start, a child to reach the process group, and to finish after rank 0 did; default
-    600), ``module_key`` and ``datamodule_key`` (where the fallback finds them in the job's config)."""
+    """Lightning's ``DDPStrategy``, every child rank running the Hydra job's own task function. Extra
+    arguments: ``rank_timeout`` (seconds the fork server may take to start, a child to reach the process
+    group, or to finish after rank 0; 600), ``module_key``, ``datamodule_key`` (for the fallback)."""
 
 
 class HydraFSDP(metaclass=_OfTheLightningImported):
     """Lightning's ``FSDPStrategy``, started like HydraDDP (the same extra arguments), and able to shard on
     CPU over gloo."""
+
+
+class HydraModelParallel(metaclass=_OfTheLightningImported):
+    """Lightning's ``ModelParallelStrategy`` (FSDP2, tensor parallelism: the module shards itself in
+    ``configure_model`` over ``self.device_mesh``), started like HydraDDP (the same extra arguments)."""
 
 
 def __getattr__(name: str) -> Any:

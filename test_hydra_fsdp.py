@@ -29,7 +29,7 @@ from hydra_fsdp import ChildRankError, HydraDDP, HydraFSDP, RankLaunchError
 
 # Lightning before 2.3.0 refuses FSDP without a GPU, and HydraFSDP then refuses to be built.
 FSDP_ON_CPU = torch.cuda.is_available() or hydra_fsdp._release(pl.__version__) >= hydra_fsdp._release(
-    hydra_fsdp._FSDP_ON_CPU_LIGHTNING
+    hydra_fsdp._NEEDS["HydraFSDP"][0]
 )
 needs_fsdp_on_cpu = pytest.mark.skipif(
     not FSDP_ON_CPU,
@@ -557,6 +557,24 @@ def test_fsdp_without_a_gpu_on_a_lightning_that_refuses_it_names_the_release_nee
     hydra_fsdp.pytorch_lightning.HydraDDP()  # DDP runs on the CPU there
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     hydra_fsdp.pytorch_lightning.HydraFSDP()  # and FSDP on a GPU
+
+
+def test_model_parallel_on_releases_without_it_is_refused_naming_what_it_needs(monkeypatch):
+    found = {"pytorch-lightning": pl.__version__, "torch": torch.__version__}
+    too_old = [name for name, release in found.items() if hydra_fsdp._release(release) < (2, 4)]
+    if too_old:  # the floor stack (Lightning 2.2, torch 2.3): the real refusal
+        with pytest.raises(ImportError, match=rf"HydraModelParallel needs {too_old[0]}>=2\.4 \(found"):
+            hydra_fsdp.HydraModelParallel(data_parallel_size=2)
+        return
+    hydra_fsdp.HydraModelParallel(data_parallel_size=2)
+    monkeypatch.setattr(pl, "__version__", "2.3.3")
+    monkeypatch.setattr(torch, "__version__", "2.3.1")
+    with pytest.raises(ImportError) as refused:
+        hydra_fsdp.pytorch_lightning.HydraModelParallel()
+    assert str(refused.value) == (
+        "HydraModelParallel needs pytorch-lightning>=2.4 (found 2.3.3), torch>=2.4 (found 2.3.1):"
+        " pip install 'pytorch-lightning>=2.4' 'torch>=2.4', or use HydraDDP."
+    )
 
 
 def test_the_floors_agree_in_pyproject_the_floor_stack_and_the_module():

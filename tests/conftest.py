@@ -29,6 +29,7 @@ LONGEST_FIRST = [
     "test_sweeps",  # 64
     "test_long_sweeps",  # 50
     "test_config_fidelity",  # 24
+    "test_model_parallel",  # 75
     "test_abort",  # 41
     "test_hydra_fsdp",  # 23
     "test_template",  # 12

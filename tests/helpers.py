@@ -18,14 +18,19 @@ from pathlib import Path
 
 import torch
 
-from hydra_fsdp import _FSDP_ON_CPU_LIGHTNING, _release
+from hydra_fsdp import _NEEDS, _release
 
 APPS = Path(__file__).parent / "apps"
 # Lightning before 2.3.0 refuses FSDP without a GPU; HydraFSDP then refuses to be built.
 LIGHTNING = version("pytorch-lightning")
-FSDP_ON_CPU = torch.cuda.is_available() or _release(LIGHTNING) >= _release(_FSDP_ON_CPU_LIGHTNING)
+FSDP_ON_CPU = torch.cuda.is_available() or _release(LIGHTNING) >= _release(_NEEDS["HydraFSDP"][0])
 FSDP_ON_CPU_REASON = (
     f"Lightning {LIGHTNING} refuses FSDP without a GPU (HydraFSDP refuses to be built: tested)"
+)
+# ModelParallelStrategy (FSDP2) is in Lightning and torch from 2.4: HydraModelParallel refuses older ones.
+MODEL_PARALLEL = all(
+    _release(found) >= _release(needed)
+    for found, needed in zip((LIGHTNING, torch.__version__), _NEEDS["HydraModelParallel"])
 )
 SWEEP_TIMEOUT = 240  # seconds; a 2-job sweep takes about 10 s on 2 cores
 FAULT_BOUND = 60  # seconds within which a failed job must have ended and left nothing running

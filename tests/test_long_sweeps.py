@@ -14,7 +14,16 @@ import traceback
 
 import pytest
 import torch
-from helpers import APPS, FSDP_ON_CPU, alive, run_app, run_side_by_side, start_sweep, started_pids
+from helpers import (
+    APPS,
+    FSDP_ON_CPU,
+    MODEL_PARALLEL,
+    alive,
+    run_app,
+    run_side_by_side,
+    start_sweep,
+    started_pids,
+)
 from shared import nothing_outlives
 from test_external import torchrun
 
@@ -32,6 +41,8 @@ SWEEPS = {
     "HydraDDP and HydraFSDP": ("ddp", False, MIXED),
     # the children build the config's trainer: the strategy cannot vary by job
     "HydraFSDP, the config contract": ("fsdp", True, ["full", "full:fail1", "full:fail0", "full"]),
+    # FSDP2's device meshes among what a job may leave
+    "HydraModelParallel": ("ddp", False, ["fsdp2", "fsdp2:fail1", "fsdp2", "fsdp2:fail0", "fsdp2"]),
 }
 
 
@@ -47,6 +58,7 @@ def long_sweeps(tmp_path_factory):
     """Each sweep of SWEEPS that this Lightning runs on the CPU, the two side by side (a failed job
     waits for its ranks' ends, a core idle): {name: (app dir, run)}."""
     names = [name for name in SWEEPS if FSDP_ON_CPU or SWEEPS[name][0] != "fsdp"]
+    names = [name for name in names if MODEL_PARALLEL or "fsdp2" not in SWEEPS[name][2][0]]
     apps, starts = [], []
     for name in names:
         strategy, fallback, plan = SWEEPS[name]
@@ -61,7 +73,15 @@ def long_sweeps(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "sweep",
-    [pytest.param(name, marks=[pytest.mark.fsdp_cpu] * (SWEEPS[name][0] == "fsdp")) for name in SWEEPS],
+    [
+        pytest.param(
+            name,
+            marks=[pytest.mark.fsdp_cpu] * (SWEEPS[name][0] == "fsdp")
+            + [pytest.mark.skipif(not MODEL_PARALLEL, reason="no ModelParallelStrategy")]
+            * ("fsdp2" in plan[0]),
+        )
+        for name, (_, _, plan) in SWEEPS.items()
+    ],
 )
 def test_every_job_starts_as_clean_as_the_first(long_sweeps, sweep):
     app, proc = long_sweeps[sweep]
@@ -74,7 +94,11 @@ def test_every_job_starts_as_clean_as_the_first(long_sweeps, sweep):
     for job, (seen, planned) in enumerate(zip(memory, plan)):
         left = max(seen["before_gc"], seen["after_gc"]) - first
         assert left <= LEFT_AT_MOST, f"job {job} started holding {left / 1e6:.1f} MB more than job 0: {table}"
-        assert not any(seen["group_alive_before_gc"]), f"job {job - 1}'s process group or backend is alive"
+        # torch keeps the first job's DeviceMesh, and with it its destroyed process group (not its backends), in
+        # its C++ DTensor dispatch cache for the rest of the process; no later job's: it does not grow
+        kept_by_torch = int(job == 1 and plan[0].startswith("fsdp2"))
+        groups_alive = seen["group_alive_before_gc"][kept_by_torch:]
+        assert not any(groups_alive), f"job {job - 1}'s process group or backend is alive"
         assert not seen["process_group"]
         assert (jobs[job] / "done.json").exists() == ("fail" not in planned), f"job {job} ({planned})"
         assert all(not alive(pid) for pid in started_pids(jobs[job]).values())

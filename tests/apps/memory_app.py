@@ -8,8 +8,8 @@ process group and backends of the job before are still alive (weak references ta
 
 The model holds 2 x Linear(1600, 1600), 20.5 MB, trained with SGD with momentum, fit then
 test(ckpt_path="best") with a checkpoint of the best epoch. ``plan`` says, per job number, the
-strategy (HydraDDP, or HydraFSDP and its checkpoint layout), whether the job fails and whether the
-task function returns the module: "<ddp|full|sharded>[:fail<rank>|:oom<rank>][:return]" (the
+strategy (HydraDDP, HydraFSDP and its checkpoint layout, or HydraModelParallel: fsdp2), whether the job
+fails and whether the task function returns the module: "<ddp|full|sharded|fsdp2>[:fail<rank>|:oom<rank>][:return]" (the
 failing rank raises in its second training step: a ValueError, or CUDA's out-of-memory error). On a GPU memory_rank0.json also holds
 ``torch.cuda.memory_allocated()`` before and after the gc, and ``memory_reserved()``. Each
 rank writes <job dir>/env_rank<N>.json, NCCL's error handling variables as it trains, and rank 0
@@ -32,7 +32,7 @@ from hydra.utils import instantiate
 from hydra_zen import builds, make_config, store
 from shapes import pl
 
-from hydra_fsdp import HydraDDP, HydraFSDP
+from hydra_fsdp import HydraDDP, HydraFSDP, HydraModelParallel
 
 WIDTH = 1600
 PREVIOUS_GROUP: list = []  # weak references to the process group and backends of the last job
@@ -66,6 +66,13 @@ class Big(pl.LightningModule):
 
     def forward(self, x):
         return self.net(x)
+
+    def configure_model(self):  # HydraModelParallel's FSDP2, once; nothing to do under the others
+        if isinstance(self.trainer.strategy, HydraModelParallel) and "FSDP" not in type(self.net).__name__:
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in (self.net[0], self.net[2], self.net):
+                fully_shard(layer, mesh=self.device_mesh["data_parallel"])
 
     def training_step(self, batch, idx):
         if idx == 1 and self.global_rank == self.fail_rank:
@@ -105,6 +112,7 @@ ENV_SEEN = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING", "TOR
 STRATEGY = {
     "ddp": builds(HydraDDP, rank_timeout=60),
     "fsdp": builds(HydraFSDP, rank_timeout=60, state_dict_type="full"),
+    "fsdp2": builds(HydraModelParallel, rank_timeout=60, data_parallel_size=2, tensor_parallel_size=1),
 }
 Config = make_config(
     trainer=builds(
@@ -160,8 +168,8 @@ def record_what_is_left():
 def task(cfg):
     record_what_is_left()
     plan = cfg.plan[HydraConfig.get().job.num].split(":")
-    cfg.trainer.strategy = STRATEGY["ddp" if plan[0] == "ddp" else "fsdp"]
-    if plan[0] != "ddp":
+    cfg.trainer.strategy = STRATEGY[plan[0] if plan[0] in ("ddp", "fsdp2") else "fsdp"]
+    if plan[0] in ("full", "sharded"):
         cfg.trainer.strategy.state_dict_type = plan[0]
     trainer = instantiate(cfg.trainer)
     module = instantiate(cfg.module)

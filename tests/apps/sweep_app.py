@@ -28,9 +28,9 @@ from hydra_zen import builds, make_config, store
 from omegaconf import OmegaConf
 from shapes import QUIET_CPU_TRAINER, Shapes, pl, regression_data
 
-from hydra_fsdp import HydraDDP, HydraFSDP
+from hydra_fsdp import HydraDDP, HydraFSDP, HydraModelParallel
 
-STRATEGIES = {"ddp": HydraDDP, "fsdp": HydraFSDP}
+STRATEGIES = {"ddp": HydraDDP, "fsdp": HydraFSDP, "model_parallel": HydraModelParallel}
 # for a value per job, e.g. +hydra.job.env_set.OMP_NUM_THREADS='${plus:${hydra:job.num},1}'
 OmegaConf.register_new_resolver("plus", lambda a, b: int(a) + int(b), replace=True)
 JOBS_RUN_HERE = 0  # module state: how many jobs this process ran the task function of
@@ -116,7 +116,7 @@ class Tiny(pl.LightningModule):
     train_dataloader = val_dataloader = test_dataloader = predict_dataloader = _data
 
     def _record(self, stage):
-        held = [p.detach() for p in self.trainer.model.parameters()]
+        held = [getattr(p, "to_local", lambda p=p: p)().detach() for p in self.trainer.model.parameters()]
         local_sum = torch.tensor(float(sum(p.double().sum() for p in held)), dtype=torch.float64)
         full_sum = local_sum.clone()
         torch.distributed.all_reduce(full_sum)
@@ -147,7 +147,8 @@ class Tiny(pl.LightningModule):
             strategy_namespace=type(self.trainer.strategy)._lightning.__name__,
             trainer_namespace=type(self.trainer).__module__.split(".trainer")[0],
         )
-        if self.trainer.world_size == 1 or not isinstance(self.trainer.strategy, pl.strategies.FSDPStrategy):
+        sharding = (pl.strategies.FSDPStrategy, getattr(pl.strategies, "ModelParallelStrategy", ()))
+        if self.trainer.world_size == 1 or not isinstance(self.trainer.strategy, sharding):
             seen["weight_sum"] = float(local_sum)
         out = job_dir() / "seen"
         out.mkdir(exist_ok=True)
@@ -165,6 +166,29 @@ class Tiny(pl.LightningModule):
 
     def on_predict_end(self):
         self._record("predict")
+
+
+class ShardedTiny(Tiny):
+    """Tiny for HydraModelParallel: FSDP2 over the mesh's data_parallel dimension (and, with
+    tensor_parallel_size=2, tensor parallelism over the other), applied once (fail_how=configure_twice: at
+    every stage, which torch refuses)."""
+
+    def configure_model(self):
+        try:
+            from torch.distributed.fsdp import FSDPModule, fully_shard
+        except ImportError:  # torch 2.4, 2.5
+            from torch.distributed._composable.fsdp import FSDPModule, fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        if isinstance(self.net, FSDPModule) and self.fail[1] != "configure_twice":
+            return
+        mesh = self.device_mesh
+        if mesh["tensor_parallel"].size() > 1:
+            parallelize_module(
+                self.net, mesh["tensor_parallel"], {"0": ColwiseParallel(), "2": RowwiseParallel()}
+            )
+        for layer in (self.net[0], self.net[2], self.net):
+            fully_shard(layer, mesh=mesh["data_parallel"])
 
 
 class _Tee:
@@ -217,7 +241,7 @@ Trainer = builds(
 Config = make_config(
     trainer=Trainer,
     module=builds(
-        Tiny,
+        ShardedTiny if os.environ.get("APP_STRATEGY") == "model_parallel" else Tiny,
         job="${hydra:job.num}",
         tag="${hydra:job.override_dirname}",
         stamp="${now:%H-%M-%S-%f}",
