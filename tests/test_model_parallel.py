@@ -1,8 +1,21 @@
 """HydraModelParallel (Lightning's ModelParallelStrategy: FSDP2, tensor parallelism) in real sweeps of
 2 jobs x 2 CPU ranks: what each rank held, its checkpoints, and the mistakes it names."""
 
+import functools
+
 import pytest
-from helpers import MODEL_PARALLEL, assert_failed_job_then_healthy_job, ok, records, sweep_in
+from helpers import (
+    MODEL_PARALLEL,
+    assert_failed_job_then_healthy_job,
+    assert_ranks_agree,
+    copy_app,
+    ok,
+    records,
+    run_side_by_side,
+    start_sweep,
+    sweep_in,
+)
+from test_external import torchrun
 
 pytestmark = pytest.mark.skipif(
     not MODEL_PARALLEL,
@@ -68,8 +81,49 @@ def test_a_configure_model_that_shards_twice_fails_its_job_naming_the_fix(app):
     assert sorted(records(app / "sweep" / "1", "test")) == [0, 1], "the next job ran"
 
 
-def test_a_failed_rank_fails_only_its_job(app):
-    proc = sweep(app, "module.lr=0.1,0.2", "module.fail_rank=1", "module.fail_how=train_raise", *FSDP2)
-    assert_failed_job_then_healthy_job(
-        app, proc, 1, expect_in_error=["Child rank 1 failed", "injected failure"]
+@pytest.mark.parametrize(
+    "how, timeout, expect",
+    [
+        ("train_raise", (), ["Child rank 1 failed", "injected failure on rank 1"]),
+        ("train_kill", (), ["Child rank 1 failed", "killed by SIGKILL"]),
+        (
+            "train_hang",
+            ("trainer.strategy.timeout.seconds=5",),
+            ["Timed out", "child ranks were still running"],
+        ),
+    ],
+)
+def test_a_failed_killed_or_hung_rank_fails_only_its_job(app, how, timeout, expect):
+    proc = sweep(app, "module.lr=0.1,0.2", "module.fail_rank=1", f"module.fail_how={how}", *FSDP2, *timeout)
+    assert_failed_job_then_healthy_job(app, proc, 1, expect_in_error=expect)
+
+
+def test_sharded_trains_as_unsharded_the_same_weights_as_hydra_ddp(tmp_path):
+    # the same initial weights on every rank (FSDP2, unlike DDP, broadcasts none), the same batches
+    apps = [copy_app(tmp_path / strategy) for strategy in ("ddp", "model_parallel")]
+    sweeps = [
+        functools.partial(start_sweep, apps[0], "module.lr=0.1,0.2", "module.seed=0", strategy="ddp"),
+        functools.partial(
+            start_sweep, apps[1], "module.lr=0.1,0.2", "module.seed=0", *FSDP2, strategy="model_parallel"
+        ),
+    ]
+    for run in run_side_by_side(sweeps, at_once=2):
+        ok(run)
+    for job in ("0", "1"):
+        ddp, fsdp2 = (records(app / "sweep" / job)[0] for app in apps)
+        assert fsdp2["params_held"] < ddp["params_held"] == ddp["params_total"]
+        assert fsdp2["weight_sum"] == pytest.approx(ddp["weight_sum"], rel=1e-5), (job, ddp, fsdp2)
+        print(
+            f"job {job}: weight sum after fit, HydraDDP {ddp['weight_sum']!r}, FSDP2 {fsdp2['weight_sum']!r}"
+        )
+
+
+def test_under_torchrun_it_starts_no_process_and_shards_over_the_engines_ranks(app):
+    codes, output, _ = torchrun(
+        app, "module.lr=0.1,0.2", "module.stamp=same", *FSDP2, strategy="model_parallel"
     )
+    assert codes == [0], output[-6000:]
+    for job in ("0", "1"):
+        seen = assert_ranks_agree(app / "sweep" / job)
+        assert not (app / "sweep" / job / "rank_1.log").exists(), "under torchrun it starts no process"
+        assert seen[0]["params_held"] + seen[1]["params_held"] == seen[0]["params_total"]

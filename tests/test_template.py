@@ -13,7 +13,19 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import APPS, SWEPT, SWEPT_JOBS, SWEPT_LR_VALUES, SWEPT_LRS, app_env, ok, records, run, swept_jobs
+from helpers import (
+    APPS,
+    MODEL_PARALLEL,
+    SWEPT,
+    SWEPT_JOBS,
+    SWEPT_LR_VALUES,
+    SWEPT_LRS,
+    app_env,
+    ok,
+    records,
+    run,
+    swept_jobs,
+)
 from shared import nothing_outlives
 from test_readme import blocks
 
@@ -23,6 +35,10 @@ CALLBACKS = ["EarlyStopping", "ModelCheckpoint", "ModelSummary"]
 # The README's YAML trainer config, pasted into the template as configs/trainer/readme.yaml: its jobs
 # follow those of the trainer configs named as the strategies.
 README_JOBS = list(enumerate(SWEPT_LRS, start=SWEPT_JOBS))
+# then configs/trainer/model_parallel.yaml's (HydraModelParallel, FSDP2), where Lightning and torch have it
+MODEL_PARALLEL_JOBS = (
+    list(enumerate(SWEPT_LRS, start=SWEPT_JOBS + len(README_JOBS))) if MODEL_PARALLEL else []
+)
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +48,8 @@ def template_sweep(tmp_path_factory):
     template = Path(shutil.copytree(APPS / "template", tmp_path_factory.mktemp("template") / "project"))
     (template / "configs" / "trainer" / "readme.yaml").write_text(blocks("yaml")[0])
     command = [sys.executable, "src/train.py", "-m", "hydra.sweep.dir=sweep"]
-    overrides = [f"trainer={','.join(SWEPT)},readme", f"model.lr={SWEPT_LR_VALUES}"]
+    trainers = [*SWEPT, "readme"] + ["model_parallel"] * MODEL_PARALLEL
+    overrides = [f"trainer={','.join(trainers)}", f"model.lr={SWEPT_LR_VALUES}"]
     with nothing_outlives("the template's sweep"):
         proc = run(command + overrides, template, app_env())
     return template, proc
@@ -69,7 +86,29 @@ def test_template_train_py_sweep(template_sweep, trainer):
         rows = list(csv.DictReader((job_dir / "csv" / "version_0" / "metrics.csv").open()))
         assert [row["test/loss"] for row in rows if row.get("test/loss")], rows
         assert not (job_dir / "csv" / "version_1").exists()
-    print(f"template train.py, {SWEPT_JOBS + len(README_JOBS)} jobs x 2 ranks: {proc.seconds:.1f} s")
+    print(
+        f"template train.py, {SWEPT_JOBS + len(README_JOBS) + len(MODEL_PARALLEL_JOBS)} jobs x 2 ranks: {proc.seconds:.1f} s"
+    )
+
+
+@pytest.mark.skipif(not MODEL_PARALLEL, reason="Lightning or torch < 2.4: no ModelParallelStrategy")
+def test_template_train_py_sweep_with_model_parallel(template_sweep):
+    template, proc = template_sweep
+    ok(proc)
+    for job, lr in MODEL_PARALLEL_JOBS:
+        job_dir = template / "sweep" / str(job)
+        fit, tested = records(job_dir, "fit"), records(job_dir, "test")
+        assert sorted(fit) == sorted(tested) == [0, 1]
+        for seen in (*fit.values(), *tested.values()):
+            assert seen["lr"] == lr and seen["strategy"] == "hydra_fsdp.lightning.HydraModelParallel"
+            assert seen["callbacks"] == CALLBACKS and seen["loggers"] == ["CSVLogger"]
+        assert fit[0]["params_held"] + fit[1]["params_held"] == 321 and fit[0]["params_held"] < 321
+        assert (
+            fit[0]["weight_sum"] == fit[1]["weight_sum"]
+            and tested[0]["weight_sum"] == tested[1]["weight_sum"]
+        )
+        best = tested[0]["ckpt_path"]
+        assert best == tested[1]["ckpt_path"] and Path(best).is_dir(), "a distributed checkpoint, tested"
 
 
 def test_readme_yaml_trainer_config_in_the_template(template_sweep):

@@ -45,10 +45,14 @@ def local_rank():
 
 
 class Tiny(pl.LightningModule):
-    def __init__(self, lr=0.1, job=-1, tag="", stamp="", width=64, fail_rank=-1, fail_how="", fail_job=0):
+    def __init__(
+        self, lr=0.1, job=-1, tag="", stamp="", width=64, fail_rank=-1, fail_how="", fail_job=0, seed=None
+    ):
         super().__init__()
         self.seen = {"lr": lr, "job": job, "tag": tag, "stamp": stamp}
         self.fail = (fail_rank if job == fail_job else -1, fail_how)
+        if seed is not None:  # the same initial weights on every rank, whichever strategy shards them
+            torch.manual_seed(seed)
         self.net = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Linear(width, 1))
         self.params_total = sum(p.numel() for p in self.net.parameters())
         started = job_dir() / "started"

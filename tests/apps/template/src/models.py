@@ -7,11 +7,24 @@ from pathlib import Path
 import torch
 from hydra.core.hydra_config import HydraConfig
 from lightning import LightningModule
+from lightning.pytorch import strategies
+
+_SHARDING = (strategies.FSDPStrategy, getattr(strategies, "ModelParallelStrategy", strategies.FSDPStrategy))
 
 
 class _RecordingModule(LightningModule):
     def forward(self, x):
         return self.net(x)
+
+    def configure_model(self):
+        """trainer=model_parallel's FSDP2 over the mesh, once (Lightning calls this before every stage)."""
+        if not isinstance(self.trainer.strategy, getattr(strategies, "ModelParallelStrategy", ())):
+            return
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if not isinstance(self.net, FSDPModule):
+            for layer in (self.net[0], self.net[2], self.net):
+                fully_shard(layer, mesh=self.device_mesh["data_parallel"])
 
     def predict_step(self, batch, batch_idx):
         return self(batch[0])
@@ -51,7 +64,9 @@ class _RecordingModule(LightningModule):
         self._record("predict")
 
     def _record(self, stage):
-        held = [p.detach().double() for p in self.trainer.model.parameters()]
+        held = [
+            getattr(p, "to_local", lambda p=p: p)().detach().double() for p in self.trainer.model.parameters()
+        ]
         # on the module's device: NCCL reduces CUDA tensors only
         local_sum = torch.tensor(float(sum(p.sum() for p in held)), dtype=torch.float64, device=self.device)
         full_sum = local_sum.clone()
@@ -72,7 +87,7 @@ class _RecordingModule(LightningModule):
             "output_dir": HydraConfig.get().runtime.output_dir,
             "params_held": sum(p.numel() for p in held),
             "local_weight_sum": float(local_sum),
-            "weight_sum": float(full_sum) if "FSDP" in type(trainer.strategy).__name__ else float(local_sum),
+            "weight_sum": float(full_sum) if isinstance(trainer.strategy, _SHARDING) else float(local_sum),
         }
         out = Path(seen["output_dir"], "seen")
         out.mkdir(exist_ok=True)
