@@ -4,6 +4,7 @@
 import functools
 
 import pytest
+import torch
 from helpers import (
     MODEL_PARALLEL,
     assert_failed_job_then_healthy_job,
@@ -127,3 +128,29 @@ def test_under_torchrun_it_starts_no_process_and_shards_over_the_engines_ranks(a
         seen = assert_ranks_agree(app / "sweep" / job)
         assert not (app / "sweep" / job / "rank_1.log").exists(), "under torchrun it starts no process"
         assert seen[0]["params_held"] + seen[1]["params_held"] == seen[0]["params_total"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.device_count() >= 2), reason="needs 2 CUDA GPUs"
+)
+def test_two_gpu_nccl_sweep_and_a_failed_rank(app):
+    # FSDP2 over NCCL: fit then test(best) from a distributed checkpoint; in job 0 rank 1 raises mid-fit,
+    # rank 0's collective is aborted (not left to NCCL's timeout), and job 1 trains
+    proc = sweep(
+        app,
+        "module.lr=0.1,0.2",
+        "trainer.accelerator=gpu",
+        *FSDP2,
+        *CHECKPOINTED,
+        "stages=[fit,test:same:best]",
+        "module.fail_rank=1",
+        "module.fail_how=train_raise",
+    )
+    assert_failed_job_then_healthy_job(
+        app, proc, 1, expect_in_error=["Child rank 1 failed", "injected failure"]
+    )
+    seen = assert_ranks_agree(app / "sweep" / "1", "test")
+    assert (
+        sum(rank["params_held"] for rank in records(app / "sweep" / "1").values()) == seen[0]["params_total"]
+    )

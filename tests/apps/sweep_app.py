@@ -121,7 +121,10 @@ class Tiny(pl.LightningModule):
 
     def _record(self, stage):
         held = [getattr(p, "to_local", lambda p=p: p)().detach() for p in self.trainer.model.parameters()]
-        local_sum = torch.tensor(float(sum(p.double().sum() for p in held)), dtype=torch.float64)
+        # on the module's device: NCCL reduces CUDA tensors only
+        local_sum = torch.tensor(
+            float(sum(p.double().sum() for p in held)), dtype=torch.float64, device=self.device
+        )
         full_sum = local_sum.clone()
         torch.distributed.all_reduce(full_sum)
         datamodule = self.trainer.datamodule
