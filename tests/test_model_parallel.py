@@ -82,6 +82,33 @@ def test_a_configure_model_that_shards_twice_fails_its_job_naming_the_fix(app):
     assert sorted(records(app / "sweep" / "1", "test")) == [0, 1], "the next job ran"
 
 
+@pytest.mark.parametrize("distributed", [True, False], ids=["distributed checkpoint", "full checkpoint"])
+def test_a_new_run_resumes_from_last_as_if_fit_had_never_stopped(tmp_path, distributed):
+    # one epoch then a new sweep resuming from its last.ckpt to epoch 2, beside 2 epochs uninterrupted
+    apps = [copy_app(tmp_path / name) for name in ("resumed", "uninterrupted")]
+    common = (
+        "module.lr=0.1",
+        "module.seed=0",
+        *FSDP2,
+        f"+trainer.strategy.save_distributed_checkpoint={distributed}",
+    )
+    sweeps = [
+        functools.partial(start_sweep, apps[0], *common, *CHECKPOINTED, strategy="model_parallel"),
+        functools.partial(start_sweep, apps[1], *common, "trainer.max_epochs=2", strategy="model_parallel"),
+    ]
+    for run in run_side_by_side(sweeps, at_once=2):
+        ok(run)
+    last = apps[0] / "sweep" / "0" / "checkpoints" / "last.ckpt"
+    resume = ("hydra.sweep.dir=resumed", "trainer.max_epochs=2", f"stages=[fit:same:{last}]")
+    ok(sweep_in(apps[0], *common, *resume, strategy="model_parallel"))
+    resumed, uninterrupted = records(apps[0] / "resumed" / "0"), records(apps[1] / "sweep" / "0")
+    assert resumed[0]["weight_sum"] == resumed[1]["weight_sum"]
+    assert resumed[0]["weight_sum"] == pytest.approx(uninterrupted[0]["weight_sum"], rel=1e-6)
+    assert resumed[0]["weight_sum"] != pytest.approx(
+        records(apps[0] / "sweep" / "0")[0]["weight_sum"], rel=1e-6
+    )
+
+
 @pytest.mark.parametrize(
     "how, timeout, expect",
     [
