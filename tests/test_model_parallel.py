@@ -109,6 +109,36 @@ def test_a_new_run_resumes_from_last_as_if_fit_had_never_stopped(tmp_path, distr
     )
 
 
+def test_a_full_checkpoint_loads_across_hydra_ddp_and_hydra_model_parallel(tmp_path):
+    # the same seed: both fits end with the same weights; each strategy tests the other's last.ckpt
+    apps = {strategy: copy_app(tmp_path / strategy) for strategy in ("ddp", "model_parallel")}
+    sizes = {"ddp": (), "model_parallel": (*FSDP2, "+trainer.strategy.save_distributed_checkpoint=false")}
+    fits = [
+        functools.partial(start_sweep, app, "module.seed=0", *sizes[name], *CHECKPOINTED, strategy=name)
+        for name, app in apps.items()
+    ]
+    tests = [
+        functools.partial(
+            start_sweep,
+            app,
+            "hydra.sweep.dir=other",
+            *sizes[name],
+            f"stages=[test:same:{apps[other] / 'sweep' / '0' / 'checkpoints' / 'last.ckpt'}]",
+            strategy=name,
+        )
+        for (name, app), other in zip(apps.items(), ("model_parallel", "ddp"))
+    ]
+    for run in run_side_by_side(fits, at_once=2) + run_side_by_side(tests, at_once=2):
+        ok(run)
+    fitted = {name: records(app / "sweep" / "0")[0]["weight_sum"] for name, app in apps.items()}
+    assert fitted["ddp"] == pytest.approx(fitted["model_parallel"], rel=1e-6)
+    for name, app in apps.items():
+        tested = records(app / "other" / "0", "test")
+        assert tested[0]["weight_sum"] == tested[1]["weight_sum"] == pytest.approx(fitted["ddp"], rel=1e-6), (
+            name
+        )
+
+
 @pytest.mark.parametrize(
     "how, timeout, expect",
     [
