@@ -30,7 +30,7 @@ class Regressor(pl.LightningModule):
     def configure_model(self):
         """HydraModelParallel's: shard each Linear and the whole with FSDP2, once (Lightning calls this before
         every stage). Under the other strategies there is no device mesh, and nothing to do here."""
-        if not isinstance(self.trainer.strategy, HydraModelParallel):
+        if getattr(self, "device_mesh", None) is None:  # not HydraModelParallel, or no Trainer (a load)
             return
         from torch.distributed.fsdp import FSDPModule, fully_shard
 

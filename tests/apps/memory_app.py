@@ -68,7 +68,7 @@ class Big(pl.LightningModule):
         return self.net(x)
 
     def configure_model(self):  # HydraModelParallel's FSDP2, once; nothing to do under the others
-        if isinstance(self.trainer.strategy, HydraModelParallel) and "FSDP" not in type(self.net).__name__:
+        if getattr(self, "device_mesh", None) is not None and "FSDP" not in type(self.net).__name__:
             from torch.distributed.fsdp import fully_shard
 
             for layer in (self.net[0], self.net[2], self.net):

@@ -18,7 +18,7 @@ class _RecordingModule(LightningModule):
 
     def configure_model(self):
         """trainer=model_parallel's FSDP2 over the mesh, once (Lightning calls this before every stage)."""
-        if not isinstance(self.trainer.strategy, getattr(strategies, "ModelParallelStrategy", ())):
+        if getattr(self, "device_mesh", None) is None:  # no ModelParallelStrategy (or no Trainer: a load)
             return
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
