@@ -357,7 +357,7 @@ class _ForkServer:
     """
 
     def __init__(self, lightning: str, said: threading.Condition) -> None:
-        env_set = HydraConfig.get().job.env_set  # the job's environment is the children's, not the server's
+        env_set = HydraConfig.get().job.env_set  # the job's environment: the children's, not the server's
         env = {key: value for key, value in os.environ.items() if key not in env_set}
         env.update(PYTHONUNBUFFERED="1", PYTORCH_NVML_BASED_CUDA_CHECK="1")
         self.imports = [lightning] + [name for name in ("hydra_zen",) if name in sys.modules]
@@ -998,7 +998,7 @@ def _stage_for_children(trainer: Any, call: dict) -> dict:
 def _destroy_process_group(aborted: bool = False) -> None:
     if not torch.distributed.is_available():
         return
-    # (No local name for the group: its last reference must not outlive the destroy, see below.)
+    # (No local name for the group: its last reference must not outlive the destroy.)
     if aborted and hasattr(torch.distributed.group.WORLD, "abort"):  # torch >= 2.7: a graceful destroy
         abort = getattr(torch.distributed.distributed_c10d, "_abort_process_group", None)  # could wait
         if abort is None:
@@ -1457,7 +1457,7 @@ class _HydraFSDP(_HydraStrategy):
 
 
 class _HydraModelParallel(_HydraStrategy):
-    """What HydraModelParallel adds: two easy mistakes named, a full checkpoint of SGD loadable."""
+    """What HydraModelParallel adds: two mistakes named, a full checkpoint of SGD loadable."""
 
     def setup_environment(self) -> None:
         by_default = (
@@ -1599,9 +1599,8 @@ def _strategies_for(namespace: str) -> types.SimpleNamespace:
         attributes = {"__module__": __name__, "__qualname__": qualname, "__doc__": public.__doc__}
         return type(public.__name__, bases, {**attributes, "_lightning": lightning})
 
-    model_parallel = getattr(
-        strategies, "ModelParallelStrategy", strategies.ParallelStrategy
-    )  # (< 2.4: refused)
+    # < 2.4: a concrete stand-in (ParallelStrategy is abstract), refused
+    model_parallel = getattr(strategies, "ModelParallelStrategy", strategies.DDPStrategy)
     return types.SimpleNamespace(
         HydraDDP=build(HydraDDP, _HydraStrategy, strategies.DDPStrategy),
         HydraFSDP=build(HydraFSDP, _HydraFSDP, strategies.FSDPStrategy),
