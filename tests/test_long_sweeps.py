@@ -41,8 +41,6 @@ SWEEPS = {
     "HydraDDP and HydraFSDP": ("ddp", False, MIXED),
     # the children build the config's trainer: the strategy cannot vary by job
     "HydraFSDP, the config contract": ("fsdp", True, ["full", "full:fail1", "full:fail0", "full"]),
-    # FSDP2's device meshes among what a job may leave
-    "HydraModelParallel": ("ddp", False, ["fsdp2", "fsdp2:fail1", "fsdp2", "fsdp2:fail0", "fsdp2"]),
 }
 
 
