@@ -95,7 +95,7 @@ _WHERE_CLASSES_GO = (
     "Define the config's dataclasses and Enums at the top level of a module, or of the launching script"
     ' outside its `if __name__ == "__main__":` block, which a child rank imports without running it.'
 )
-# The versions of torch, Lightning and hydra-core CI ran (see the private names above).
+# The releases CI ran.
 _KNOWN_TO_WORK = "torch 2.3 to 2.15, Lightning 2.2 to 2.6, hydra-core 1.3.0 to 1.3.8"
 
 
@@ -116,7 +116,7 @@ def _upstream_changed(name: str, why: str) -> RankLaunchError:
     )
 
 
-# --------------------------------------------------------------------------- what rank 0 reads
+# -------------------- what rank 0 reads
 
 
 def _launch_delay() -> float:
@@ -198,7 +198,7 @@ def _launching_script() -> dict:
     return {}  # an interactive session or a package's __main__: nothing safe to re-import
 
 
-# --------------------------------------------------------------------------- what a child runs
+# -------------------- what a child runs
 
 
 class _ByReference(pickle.Pickler):
@@ -323,19 +323,18 @@ def _rank_launch(job: "_Job", hydra_job: dict) -> bool:
         env = dict(env, LOCAL_RANK=str(rank))
         server = job.sweep.started_fork_server(spec.lightning)
         on_failure = functools.partial(job.abort.abort, rank)
-        proc = server.start(
-            command, env, job.children.log(rank), timeout=spec.rank_timeout, on_failure=on_failure
-        )
+        log_path = job.children.log(rank)
+        proc = server.start(command, env, log_path, timeout=spec.rank_timeout, on_failure=on_failure)
         job.children.add(rank, proc)
     return runs_task
 
 
-# --------------------------------------------------------------------------- the fork server
+# -------------------- the fork server
 
 
 def _wait_until(said: threading.Condition, done: Callable[[], Any], timeout: float | None) -> bool:
-    """Whether ``done()`` holds within ``timeout`` s. Asked again the moment a fork server says something
-    (``said`` is notified), and every ``_POLL_INTERVAL`` for what only polling shows (a check-in)."""
+    """Whether ``done()`` holds within ``timeout`` s: asked again whenever ``said`` is notified (a fork
+    server said something), and every ``_POLL_INTERVAL`` for what only polling shows (a check-in)."""
     deadline = math.inf if timeout is None else time.monotonic() + timeout
     with said:
         while not done():
@@ -349,11 +348,11 @@ def _wait_until(said: threading.Condition, done: Callable[[], Any], timeout: flo
 class _ForkServer:
     """A process that imports torch, Lightning and Hydra once and forks every child rank of a sweep.
 
-    A fork of a process that holds those imports is up in milliseconds, not seconds, and still a fresh
-    process (rank 0's script imported anew, the job's environment); so the server imports nothing more,
-    starts no thread and never touches CUDA. Run as ``python /path/to/hydra_fsdp.py``, it reads a child's
-    command a line on stdin, answers its pid and later its exit code (read by a thread, which notifies
-    ``said`` and calls a failed child's ``on_failure``), and ends, ending its children, with rank 0.
+    A fork of it is up in milliseconds, not seconds, and still a fresh process (rank 0's script imported
+    anew, the job's environment): the server imports nothing more, starts no thread, never touches CUDA.
+    Run as ``python /path/to/hydra_fsdp.py``, it reads a child's command a line on stdin, answers its pid
+    and later its exit code (read by a thread, which notifies ``said`` and calls a failed child's
+    ``on_failure``), and ends, ending its children, with rank 0.
     """
 
     def __init__(self, lightning: str, said: threading.Condition) -> None:
@@ -529,7 +528,7 @@ def _run_forked(request: dict, lightning: str, replies: int, sigint: Any) -> Non
     os._exit(1)
 
 
-# --------------------------------------------------------------------------- rank 0's job
+# -------------------- rank 0's job
 
 
 class _LaunchSpec(NamedTuple):
@@ -544,9 +543,9 @@ class _LaunchSpec(NamedTuple):
 
 
 class _Sweep(Callback):
-    """What rank 0, the sweep's process, keeps from one job to the next (``_sweep``), and the Hydra callback
-    that follows the jobs: a job's start starts its ranks if the last job had ranks, a job's end ends them
-    and frees what the job held, the sweep's end ends the fork server. Only ``said`` is shared."""
+    """What rank 0, the sweep's process, keeps from job to job (``_sweep``), and the Hydra callback that
+    follows the jobs: a job's start starts its ranks if the last job had some, its end ends them and frees
+    what it held, the sweep's end ends the fork server. Only ``said`` is shared."""
 
     def __init__(self) -> None:
         self.said = threading.Condition()  # notified whenever the fork server says something
@@ -562,9 +561,9 @@ class _Sweep(Callback):
         """The job's ranks for a stage of ``spec``: those started at Hydra's start of the job if alike."""
         if hydra_job is None or not HydraConfig.initialized():
             raise RankLaunchError(
-                "HydraDDP/HydraFSDP start child ranks from the running Hydra job's config, but no Hydra job is"
+                "hydra_fsdp's strategies start child ranks from the running Hydra job's config, but no Hydra job is"
                 " running here. Call trainer.fit/test/... in a Hydra task function (@hydra.main, hydra_zen.zen,"
-                " hydra_zen.launch), or use Lightning's own strategy='ddp'/'fsdp' outside Hydra."
+                " hydra_zen.launch), or use Lightning's own strategy outside Hydra."
             )
         job = self.job
         if job is not None and job.job_return is hydra_job.get("ret"):
@@ -622,9 +621,8 @@ class _Sweep(Callback):
         return self
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
-        # What was alive before the job, frozen, is not scanned by its end's collection (most of a second);
-        # not where someone froze objects of their own.
-        if gc.get_freeze_count() == 0:  # (frozen still if the last job raised past its end: SystemExit)
+        # What was alive before the job, frozen, is not scanned by its end's collection (most of a second).
+        if gc.get_freeze_count() == 0:  # not over a user's freeze, or the last job's (it raised past its end)
             gc.freeze()
             self.froze = True
         server = self.fork_server  # not one that failed to start: its first stage would wait for it again
@@ -1149,7 +1147,7 @@ def _check_launched_world_size(num_nodes: int, devices: int) -> None:
         )
 
 
-# --------------------------------------------------------------------------- every rank agrees
+# -------------------- every rank agrees
 
 
 def _check_ranks_agree(strategy: "_HydraStrategy") -> None:
@@ -1222,10 +1220,10 @@ def _flat(tree: Any, prefix: str = "") -> dict:
     return {prefix.rstrip("."): tree}
 
 
-# --------------------------------------------------------------------------- the strategies
+# -------------------- the strategies
 
 
-# The oldest releases this file runs on, as pyproject.toml declares them (a copy of it never sees that).
+# The oldest releases, as pyproject.toml declares them.
 _MINIMUM_VERSIONS = {"torch": "2.3", "hydra-core": "1.3.0", "pytorch-lightning": "2.2", "lightning": "2.2"}
 # Beyond that: Lightning refuses FSDP without a GPU before 2.3.0; ModelParallelStrategy needs 2.4 of both.
 _NEEDS = {"HydraFSDP": ("2.3.0", "2.3", "without a GPU"), "HydraModelParallel": ("2.4", "2.4", "")}
@@ -1243,22 +1241,21 @@ def _check_versions(lightning: types.ModuleType, strategy: str) -> None:
 
     package = lightning.__name__.split(".")[0]
     lightning_name = _PIP_NAMES[package]
-    found = {"torch": torch.__version__, "hydra-core": hydra.__version__}
-    found[lightning_name] = getattr(lightning, "__version__", None) or sys.modules[package].__version__
-    too_old = [name for name in found if _release(found[name]) < _release(_MINIMUM_VERSIONS[name])]
-    if too_old:
-        needs = ", ".join(f"{name}>={_MINIMUM_VERSIONS[name]} (found {found[name]})" for name in too_old)
-        install = " ".join(f"'{name}>={_MINIMUM_VERSIONS[name]}'" for name in too_old)
-        raise ImportError(f"hydra_fsdp needs {needs}: pip install {install}.")
+    found = {lightning_name: getattr(lightning, "__version__", None) or sys.modules[package].__version__}
+    found |= {"torch": torch.__version__, "hydra-core": hydra.__version__}
     lightning_needed, torch_needed, where = _NEEDS.get(strategy, ("0", "0", ""))
-    needed = {lightning_name: lightning_needed, "torch": torch_needed}
-    too_old = [name for name in needed if _release(found[name]) < _release(needed[name])]
-    if too_old and not (where and torch.cuda.is_available()):
-        raise ImportError(
-            f"{strategy} {where + ' ' if where else ''}needs "
-            + ", ".join(f"{name}>={needed[name]} (found {found[name]})" for name in too_old)
-            + f": pip install {' '.join(repr(f'{name}>={needed[name]}') for name in too_old)}, or use HydraDDP."
-        )
+    if where and torch.cuda.is_available():
+        lightning_needed = torch_needed = "0"
+    strategy_needs = {lightning_name: lightning_needed, "torch": torch_needed}
+    for who, needed, otherwise in (
+        ("hydra_fsdp", _MINIMUM_VERSIONS, ""),
+        (f"{strategy} {where}".rstrip(), strategy_needs, ", or use HydraDDP"),
+    ):
+        too_old = [name for name in found if _release(found[name]) < _release(needed.get(name, "0"))]
+        if too_old:
+            needs = ", ".join(f"{name}>={needed[name]} (found {found[name]})" for name in too_old)
+            install = " ".join(f"'{name}>={needed[name]}'" for name in too_old)
+            raise ImportError(f"{who} needs {needs}: pip install {install}{otherwise}.")
 
 
 def _fsdp() -> types.ModuleType:
@@ -1267,8 +1264,7 @@ def _fsdp() -> types.ModuleType:
 
 
 class _HydraStrategy:
-    """What HydraDDP and HydraFSDP add to a Lightning strategy, mixed in before it (``_lightning``: its
-    namespace's package)."""
+    """What every strategy here adds to Lightning's, mixed in before it (``_lightning``: its namespace)."""
 
     _lightning: types.ModuleType
 
@@ -1579,7 +1575,7 @@ def _full_state_dict_in_place(module: torch.nn.Module, rank0_only: bool = True) 
 
 @functools.cache
 def _strategies_for(namespace: str) -> types.SimpleNamespace:
-    """Build HydraDDP and HydraFSDP on one Lightning namespace: each Trainer takes only its own."""
+    """Build the strategies on one Lightning namespace: each Trainer takes only its own."""
     try:
         lightning = importlib.import_module(_NAMESPACES[namespace])
     except ImportError as error:
@@ -1661,7 +1657,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# --------------------------------------------------------------------------- a child rank
+# -------------------- a child rank
 
 
 def _run_child_rank(config_path: str) -> None:
@@ -1749,12 +1745,8 @@ def _run_config_contract(task_cfg: DictConfig, module_key: str, datamodule_key: 
 
 def _child_store() -> torch.distributed.TCPStore:
     """A client of rank 0's store, where a child checks in and the fallback reads its stages."""
-    return torch.distributed.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        is_master=False,
-        timeout=_CHILD_STORE_TIMEOUT,
-    )
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    return torch.distributed.TCPStore(address, port, is_master=False, timeout=_CHILD_STORE_TIMEOUT)
 
 
 def _exit_with_parent() -> None:
