@@ -32,6 +32,7 @@ import itertools
 import json
 import logging
 import math
+import operator
 import os
 import pickle
 import re
@@ -1048,8 +1049,8 @@ def _end_process_groups_at_exit() -> None:
 
 def _let_go_of_the_job(job_return: Any, wrapped: list) -> None:
     """Free what the job that just ended held here, where every later job runs: cyclic garbage, the
-    FSDP wrappers' flat parameters, and a failed job's traceback (Hydra keeps it: its frames hold the
-    module and optimizer). What the user's code can reach stays whole."""
+    FSDP wrappers' flat parameters, torch's DTensor caches, and a failed job's traceback (Hydra keeps
+    it: its frames hold the module and optimizer). What the user's code can reach stays whole."""
     error = getattr(job_return, "_return_value", None) if job_return.status is JobStatus.FAILED else None
     while isinstance(error, BaseException) and error.__traceback__ is not None:  # the error, its causes
         # Its text stays (clearing the frames is not enough: a cleared frame holds its function).
@@ -1060,9 +1061,24 @@ def _let_go_of_the_job(job_return: Any, wrapped: list) -> None:
         error = error.__cause__ or error.__context__
     while wrapped:  # the FSDP wrappers the job built
         _free_flat_parameters(wrapped.pop())
+    _clear_dtensor_caches()
     gc.collect()
     if torch.cuda.is_initialized():
         torch.cuda.empty_cache()
+
+
+def _clear_dtensor_caches() -> None:
+    """torch's DTensor caches would keep the first job's DeviceMesh and its process groups (torch 2.15:
+    their backends too) for good: a later job's mesh equals it."""
+    if "torch.distributed.tensor" in sys.modules:
+        for module, name in (
+            ("debug", "_clear_sharding_prop_cache"),
+            ("_redistribute", "clear_redistribute_planner_cache"),
+            ("_redistribute", "_gen_transform_infos.cache_clear"),
+            ("_collective_utils", "MeshTopoInfo.build_from_mesh.cache_clear"),
+        ):
+            with contextlib.suppress(ImportError, AttributeError):  # not in this torch
+                operator.attrgetter(name)(importlib.import_module(f"torch.distributed.tensor.{module}"))()
 
 
 def _log_excerpt(log_path: Path) -> list[str]:

@@ -4,7 +4,8 @@ Python's automatic gc is off, so that what is still alive before a collection is
 the start of every job, rank 0 (the sweep process; under torchrun every rank) writes to
 <job dir>/memory_rank<N>.json the bytes of
 live CPU tensors (each storage counted once) before and after ``gc.collect()``, and whether the
-process group and backends of the job before are still alive (weak references taken in its stage).
+process group and backends of the job before are still alive (weak references taken in its stage), and
+how many DeviceMeshes are alive.
 
 The model holds 2 x Linear(1600, 1600), 20.5 MB, trained with SGD with momentum, fit then
 test(ckpt_path="best") with a checkpoint of the best epoch. ``plan`` says, per job number, the
@@ -21,6 +22,7 @@ the config's strategy, APP_STRATEGY's (ddp or fsdp, full), whatever the plan say
 import gc
 import json
 import os
+import sys
 import weakref
 from pathlib import Path
 
@@ -44,6 +46,14 @@ class KeepReturns(Callback):
 
     def on_job_end(self, config, job_return, **kwargs):
         KEPT.append(job_return)
+
+
+def live_device_meshes() -> int:
+    if "torch.distributed.device_mesh" not in sys.modules:
+        return 0
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return sum(isinstance(obj, DeviceMesh) for obj in gc.get_objects())
 
 
 def live_tensor_bytes() -> int:
@@ -147,6 +157,7 @@ def record_what_is_left():
     before = {
         "before_gc": live_tensor_bytes(),
         "cuda_allocated_before_gc": cuda and torch.cuda.memory_allocated(),
+        "device_meshes_before_gc": live_device_meshes(),
     }
     group_alive_before = [ref() is not None for ref in PREVIOUS_GROUP]
     gc.collect()
