@@ -32,7 +32,10 @@ class Regressor(pl.LightningModule):
         every stage). Under the other strategies there is no device mesh, and nothing to do here."""
         if getattr(self, "device_mesh", None) is None:  # not HydraModelParallel, or no Trainer (a load)
             return
-        from torch.distributed.fsdp import FSDPModule, fully_shard
+        try:
+            from torch.distributed.fsdp import FSDPModule, fully_shard
+        except ImportError:  # torch 2.4, 2.5
+            from torch.distributed._composable.fsdp import FSDPModule, fully_shard
 
         if not isinstance(self.net, FSDPModule):
             for layer in (self.net[0], self.net[2], self.net):

@@ -79,7 +79,10 @@ class Big(pl.LightningModule):
 
     def configure_model(self):  # HydraModelParallel's FSDP2, once; nothing to do under the others
         if getattr(self, "device_mesh", None) is not None and "FSDP" not in type(self.net).__name__:
-            from torch.distributed.fsdp import fully_shard
+            try:
+                from torch.distributed.fsdp import fully_shard
+            except ImportError:  # torch 2.4, 2.5
+                from torch.distributed._composable.fsdp import fully_shard
 
             for layer in (self.net[0], self.net[2], self.net):
                 fully_shard(layer, mesh=self.device_mesh["data_parallel"])

@@ -20,7 +20,10 @@ class _RecordingModule(LightningModule):
         """trainer=model_parallel's FSDP2 over the mesh, once (Lightning calls this before every stage)."""
         if getattr(self, "device_mesh", None) is None:  # no ModelParallelStrategy (or no Trainer: a load)
             return
-        from torch.distributed.fsdp import FSDPModule, fully_shard
+        try:
+            from torch.distributed.fsdp import FSDPModule, fully_shard
+        except ImportError:  # torch 2.4, 2.5
+            from torch.distributed._composable.fsdp import FSDPModule, fully_shard
 
         if not isinstance(self.net, FSDPModule):
             for layer in (self.net[0], self.net[2], self.net):
