@@ -3,7 +3,7 @@
 # that of the hydra_fsdp repository this copy was taken from (its README and tests live there).
 """Lightning's DDP, FSDP and FSDP2 strategies that work under Hydra, ``--multirun`` sweeps included.
 
-``HydraDDP``, ``HydraFSDP`` and ``HydraModelParallel`` start every child rank of a Hydra job from that job's own config, as
+``HydraDDP``, ``HydraFSDP``, ``HydraModelParallel`` start every child rank of a Hydra job from the job's own config, as
 rank 0's task function received it (pickled, types included), and run the job's own task function on
 it, instead of re-running ``sys.argv`` (the whole sweep) as Lightning does. Sections follow a job: what
 rank 0 reads, what a child runs, the fork server that starts children, rank 0's sweep (``_Sweep``, what
@@ -1017,9 +1017,8 @@ def _destroy_process_group(aborted: bool = False) -> None:
 
 
 def _abort_groups() -> None:
-    """Abort the process groups, from any thread: ``abort`` of every group (torch >= 2.7: a
-    DeviceMesh has its own), else the default group's NCCL ``abort`` (2.6) or ``_shutdown`` (2.3-2.5).
-    Gloo needs none. Raises nothing of its own."""
+    """Abort the process groups, from any thread: ``abort`` of every group (torch >= 2.7: a DeviceMesh has
+    its own), else the default group's NCCL ``abort`` (2.6) or ``_shutdown`` (2.3-2.5); gloo needs none."""
     world = torch.distributed.group.WORLD
     if hasattr(world, "abort"):
         registry = getattr(torch.distributed.distributed_c10d, "_world", None)
@@ -1049,7 +1048,7 @@ def _end_process_groups_at_exit() -> None:
 
 def _let_go_of_the_job(job_return: Any, wrapped: list) -> None:
     """Free what the job that just ended held here, where every later job runs: cyclic garbage, the
-    FSDP wrappers' flat parameters, torch's DTensor caches, and a failed job's traceback (Hydra keeps
+    FSDP wrappers' flat parameters, torch's caches, and a failed job's traceback (Hydra keeps
     it: its frames hold the module and optimizer). What the user's code can reach stays whole."""
     error = getattr(job_return, "_return_value", None) if job_return.status is JobStatus.FAILED else None
     while isinstance(error, BaseException) and error.__traceback__ is not None:  # the error, its causes
@@ -1061,24 +1060,25 @@ def _let_go_of_the_job(job_return: Any, wrapped: list) -> None:
         error = error.__cause__ or error.__context__
     while wrapped:  # the FSDP wrappers the job built
         _free_flat_parameters(wrapped.pop())
-    _clear_dtensor_caches()
+    _clear_torch_caches()
     gc.collect()
     if torch.cuda.is_initialized():
         torch.cuda.empty_cache()
 
 
-def _clear_dtensor_caches() -> None:
-    """torch's DTensor caches would keep the first job's DeviceMesh and its process groups (torch 2.15:
-    their backends too) for good: a later job's mesh equals it."""
-    if "torch.distributed.tensor" in sys.modules:
-        for module, name in (
-            ("debug", "_clear_sharding_prop_cache"),
-            ("_redistribute", "clear_redistribute_planner_cache"),
-            ("_redistribute", "_gen_transform_infos.cache_clear"),
-            ("_collective_utils", "MeshTopoInfo.build_from_mesh.cache_clear"),
-        ):
+def _clear_torch_caches() -> None:
+    """torch's caches keep the first job's DeviceMesh and process groups for good (a later job's mesh
+    equals it), and torch 2.4-2.7's ``_get_fqns`` every FSDP2 model."""
+    for module, names in (  # in torch.distributed, each of some releases
+        ("tensor.debug", "_clear_python_sharding_prop_cache _clear_fast_path_sharding_prop_cache"),
+        ("tensor._redistribute", "clear_redistribute_planner_cache _gen_transform_infos.cache_clear"),
+        ("tensor._collective_utils", "MeshTopoInfo.build_from_mesh.cache_clear"),
+        ("checkpoint.state_dict", "_get_fqns.cache_clear"),
+    ):
+        module = f"torch.distributed.{module}"
+        for name in names.split() if module.rpartition(".")[0] in sys.modules else ():
             with contextlib.suppress(ImportError, AttributeError):  # not in this torch
-                operator.attrgetter(name)(importlib.import_module(f"torch.distributed.tensor.{module}"))()
+                operator.attrgetter(name)(importlib.import_module(module))()
 
 
 def _log_excerpt(log_path: Path) -> list[str]:
@@ -1126,8 +1126,8 @@ class _HydraRankLauncher:
             return function(*args, **kwargs)
         if strategy.num_nodes > 1:
             raise RankLaunchError(
-                f"num_nodes={strategy.num_nodes}, but HydraDDP/HydraFSDP start child ranks on one node"
-                " only. Across nodes, let torchrun or SLURM start every rank."
+                f"num_nodes={strategy.num_nodes}, but hydra_fsdp starts child ranks on one node only."
+                " Across nodes, let torchrun or SLURM start every rank."
             )
         lightning, address = strategy._lightning.__name__, env.main_address
         spec = _LaunchSpec(
@@ -1241,37 +1241,40 @@ def _flat(tree: Any, prefix: str = "") -> dict:
 
 # The oldest releases, as pyproject.toml declares them.
 _MINIMUM_VERSIONS = {"torch": "2.3", "hydra-core": "1.3.0", "pytorch-lightning": "2.2", "lightning": "2.2"}
-# Beyond that: Lightning refuses FSDP without a GPU before 2.3.0; ModelParallelStrategy needs 2.4 of both.
-_NEEDS = {"HydraFSDP": ("2.3.0", "2.3", "without a GPU"), "HydraModelParallel": ("2.4", "2.4", "")}
+# Beyond that (Lightning, torch): Lightning refuses FSDP on a CPU before 2.3.0, ModelParallelStrategy is
+# in 2.4, FSDP2 trains right on gloo from torch 2.10.
+_NEEDS = {
+    "HydraFSDP without a GPU": ("2.3.0", "0"),
+    "HydraModelParallel": ("2.4", "2.4"),
+    "HydraModelParallel without a GPU": ("0", "2.10"),
+}
 
 
 def _release(version: str) -> tuple:
-    """The release numbers of a version string: "2.3.0+cu121" and "2.2.0.post0" give (2, 3, 0), (2, 2, 0)."""
+    """A version's release numbers: "2.3.0+cu121" and "2.2.0.post0" give (2, 3, 0), (2, 2, 0)."""
     match = re.match(r"\d+(\.\d+)*", str(version))
     return tuple(int(part) for part in match.group().split(".")) if match else ()
 
 
 def _check_versions(lightning: types.ModuleType, strategy: str) -> None:
-    """Refuse to build a strategy on releases older than it runs on, naming what is needed."""
+    """Refuse releases older than ``strategy`` runs on, naming what it needs."""
     import hydra
 
     package = lightning.__name__.split(".")[0]
     lightning_name = _PIP_NAMES[package]
-    found = {lightning_name: getattr(lightning, "__version__", None) or sys.modules[package].__version__}
+    found = {lightning_name: sys.modules[package].__version__}
     found |= {"torch": torch.__version__, "hydra-core": hydra.__version__}
-    lightning_needed, torch_needed, where = _NEEDS.get(strategy, ("0", "0", ""))
-    if where and torch.cuda.is_available():
-        lightning_needed = torch_needed = "0"
-    strategy_needs = {lightning_name: lightning_needed, "torch": torch_needed}
-    for who, needed, otherwise in (
-        ("hydra_fsdp", _MINIMUM_VERSIONS, ""),
-        (f"{strategy} {where}".rstrip(), strategy_needs, ", or use HydraDDP"),
-    ):
+    needs = [("hydra_fsdp", _MINIMUM_VERSIONS, "")] + [
+        (who, dict(zip((lightning_name, "torch"), versions)), ", or use HydraDDP")
+        for who, versions in _NEEDS.items()
+        if who == strategy or (who == f"{strategy} without a GPU" and not torch.cuda.is_available())
+    ]
+    for who, needed, otherwise in needs:
         too_old = [name for name in found if _release(found[name]) < _release(needed.get(name, "0"))]
         if too_old:
-            needs = ", ".join(f"{name}>={needed[name]} (found {found[name]})" for name in too_old)
+            what = ", ".join(f"{name}>={needed[name]} (found {found[name]})" for name in too_old)
             install = " ".join(f"'{name}>={needed[name]}'" for name in too_old)
-            raise ImportError(f"{who} needs {needs}: pip install {install}{otherwise}.")
+            raise ImportError(f"{who} needs {what}: pip install {install}{otherwise}.")
 
 
 def _fsdp() -> types.ModuleType:
@@ -1472,15 +1475,13 @@ class _HydraModelParallel(_HydraStrategy):
     """What HydraModelParallel adds: two mistakes named, a full checkpoint of SGD loadable."""
 
     def setup_environment(self) -> None:
-        by_default = (
-            getattr(self, "_data_parallel_size", 0) == getattr(self, "_tensor_parallel_size", 1) == "auto"
-        )
+        sizes = {getattr(self, "_data_parallel_size", 0), getattr(self, "_tensor_parallel_size", 1)}
         super().setup_environment()
-        if by_default and self.num_nodes == 1 and self.world_size > 1:
+        if sizes == {"auto"} and self.num_nodes == 1 and self.world_size > 1:
             log.warning(
                 f"hydra_fsdp: HydraModelParallel's default mesh on one node is data_parallel=1 x tensor_parallel="
-                f"{self.world_size}: fully_shard over its data_parallel shards nothing, every rank reads the same"
-                f" batches. For FSDP2 alone set data_parallel_size={self.world_size}, tensor_parallel_size=1."
+                f"{self.world_size}: it shards no data (every rank reads the same batches). For FSDP2 alone set"
+                f" data_parallel_size={self.world_size}, tensor_parallel_size=1."
             )
 
     @contextlib.contextmanager

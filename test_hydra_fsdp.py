@@ -29,7 +29,7 @@ from hydra_fsdp import ChildRankError, HydraDDP, HydraFSDP, RankLaunchError
 
 # Lightning before 2.3.0 refuses FSDP without a GPU, and HydraFSDP then refuses to be built.
 FSDP_ON_CPU = torch.cuda.is_available() or hydra_fsdp._release(pl.__version__) >= hydra_fsdp._release(
-    hydra_fsdp._NEEDS["HydraFSDP"][0]
+    hydra_fsdp._NEEDS["HydraFSDP without a GPU"][0]
 )
 needs_fsdp_on_cpu = pytest.mark.skipif(
     not FSDP_ON_CPU,
@@ -566,6 +566,8 @@ def test_model_parallel_on_releases_without_it_is_refused_naming_what_it_needs(m
         with pytest.raises(ImportError, match=rf"HydraModelParallel needs {too_old[0]}>=2\.4 \(found"):
             hydra_fsdp.HydraModelParallel(data_parallel_size=2)
         return
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch, "__version__", "2.10.0+cpu")
     hydra_fsdp.HydraModelParallel(data_parallel_size=2)
     monkeypatch.setattr(pl, "__version__", "2.3.3")
     monkeypatch.setattr(torch, "__version__", "2.3.1")
@@ -575,6 +577,22 @@ def test_model_parallel_on_releases_without_it_is_refused_naming_what_it_needs(m
         "HydraModelParallel needs pytorch-lightning>=2.4 (found 2.3.3), torch>=2.4 (found 2.3.1):"
         " pip install 'pytorch-lightning>=2.4' 'torch>=2.4', or use HydraDDP."
     )
+
+
+def test_fsdp2_without_a_gpu_on_a_torch_whose_fully_shard_needs_cuda_is_refused(monkeypatch):
+    # torch 2.4, 2.5: "FSDP requires CUDA for streams"; 2.6: the CPU's stream cannot record_event
+    if hydra_fsdp._release(pl.__version__) < (2, 4):
+        pytest.skip(f"Lightning {pl.__version__} has no ModelParallelStrategy (refused: tested above)")
+    monkeypatch.setattr(torch, "__version__", "2.9.1+cu128")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ImportError) as refused:
+        hydra_fsdp.pytorch_lightning.HydraModelParallel(data_parallel_size=2)
+    assert str(refused.value) == (
+        "HydraModelParallel without a GPU needs torch>=2.10 (found 2.9.1+cu128): pip install 'torch>=2.10',"
+        " or use HydraDDP."
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    hydra_fsdp.pytorch_lightning.HydraModelParallel(data_parallel_size=2)  # on a GPU, torch 2.4 does
 
 
 def test_the_floors_agree_in_pyproject_the_floor_stack_and_the_module():

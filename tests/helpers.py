@@ -16,22 +16,31 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
+import pytorch_lightning
 import torch
 
-from hydra_fsdp import _NEEDS, _release
+from hydra_fsdp import _check_versions
 
 APPS = Path(__file__).parent / "apps"
-# Lightning before 2.3.0 refuses FSDP without a GPU; HydraFSDP then refuses to be built.
 LIGHTNING = version("pytorch-lightning")
-FSDP_ON_CPU = torch.cuda.is_available() or _release(LIGHTNING) >= _release(_NEEDS["HydraFSDP"][0])
+
+
+def builds_here(strategy):
+    """Whether hydra_fsdp builds ``strategy`` on these releases, this machine (it refuses, naming what it needs,
+    e.g. HydraFSDP without a GPU on Lightning < 2.3, HydraModelParallel without one on torch < 2.7)."""
+    try:
+        _check_versions(pytorch_lightning, strategy)
+    except ImportError:
+        return False
+    return True
+
+
+FSDP_ON_CPU = builds_here("HydraFSDP")
 FSDP_ON_CPU_REASON = (
     f"Lightning {LIGHTNING} refuses FSDP without a GPU (HydraFSDP refuses to be built: tested)"
 )
-# ModelParallelStrategy (FSDP2) is in Lightning and torch from 2.4: HydraModelParallel refuses older ones.
-MODEL_PARALLEL = all(
-    _release(found) >= _release(needed)
-    for found, needed in zip((LIGHTNING, torch.__version__), _NEEDS["HydraModelParallel"])
-)
+MODEL_PARALLEL = builds_here("HydraModelParallel")
+MODEL_PARALLEL_REASON = f"Lightning {LIGHTNING}, torch {torch.__version__}: no FSDP2 here (HydraModelParallel refuses to be built: tested)"
 SWEEP_TIMEOUT = 240  # seconds; a 2-job sweep takes about 10 s on 2 cores
 FAULT_BOUND = 60  # seconds within which a failed job must have ended and left nothing running
 

@@ -18,6 +18,7 @@ from helpers import (
     APPS,
     FSDP_ON_CPU,
     MODEL_PARALLEL,
+    MODEL_PARALLEL_REASON,
     alive,
     run_app,
     run_side_by_side,
@@ -30,6 +31,9 @@ from test_external import torchrun
 import hydra_fsdp
 
 MODEL_BYTES = 2 * (1600 * 1600 + 1600) * 4  # memory_app's Big: 20.5 MB
+# torch 2.10 (FSDP2's floor on the CPU) keeps two DeviceMeshes of every FSDP2 job, 8 bytes and no process
+# group, held from C++ by a (DTensorSpec,) tuple, found in no cache it clears (docs/reliability.md); 2.13 none
+MESHES_TORCH_KEEPS_A_JOB = 2 if hydra_fsdp._release(torch.__version__) < (2, 13) else 0
 LEFT_AT_MOST = MODEL_BYTES // 5  # what a job may leave: 20% of one model
 
 # name: (the config's strategy, the fallback?, plan: each job's strategy and failure, see memory_app)
@@ -77,8 +81,7 @@ def long_sweeps(tmp_path_factory):
         pytest.param(
             name,
             marks=[pytest.mark.fsdp_cpu] * (SWEEPS[name][0] == "fsdp")
-            + [pytest.mark.skipif(not MODEL_PARALLEL, reason="no ModelParallelStrategy")]
-            * ("fsdp2" in plan[0]),
+            + [pytest.mark.skipif(not MODEL_PARALLEL, reason=MODEL_PARALLEL_REASON)] * ("fsdp2" in plan[0]),
         )
         for name, (_, _, plan) in SWEEPS.items()
     ],
@@ -96,7 +99,8 @@ def test_every_job_starts_as_clean_as_the_first(long_sweeps, sweep):
         assert left <= LEFT_AT_MOST, f"job {job} started holding {left / 1e6:.1f} MB more than job 0: {table}"
         assert not any(seen["group_alive_before_gc"]), f"job {job - 1}'s process group or backend is alive"
         # torch's DTensor caches would keep job 0's (with its process groups) for the rest of the sweep
-        assert seen["device_meshes_before_gc"] == 0, f"job {job} started with a DeviceMesh alive"
+        kept = MESHES_TORCH_KEEPS_A_JOB * job if "fsdp2" in planned else 0
+        assert seen["device_meshes_before_gc"] <= kept, f"job {job} started with a DeviceMesh alive"
         assert not seen["process_group"]
         assert (jobs[job] / "done.json").exists() == ("fail" not in planned), f"job {job} ({planned})"
         assert all(not alive(pid) for pid in started_pids(jobs[job]).values())

@@ -7,6 +7,7 @@ import pytest
 import torch
 from helpers import (
     MODEL_PARALLEL,
+    MODEL_PARALLEL_REASON,
     assert_failed_job_then_healthy_job,
     assert_ranks_agree,
     copy_app,
@@ -20,7 +21,7 @@ from test_external import torchrun
 
 pytestmark = pytest.mark.skipif(
     not MODEL_PARALLEL,
-    reason="Lightning or torch < 2.4: no ModelParallelStrategy (the refusal is a unit test)",
+    reason=MODEL_PARALLEL_REASON,
 )
 FSDP2 = ("+trainer.strategy.data_parallel_size=2", "+trainer.strategy.tensor_parallel_size=1")
 CHECKPOINTED = ("trainer.enable_checkpointing=true", "trainer.callbacks=[${keep_last}]")

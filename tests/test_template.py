@@ -16,6 +16,7 @@ import pytest
 from helpers import (
     APPS,
     MODEL_PARALLEL,
+    MODEL_PARALLEL_REASON,
     SWEPT,
     SWEPT_JOBS,
     SWEPT_LR_VALUES,
@@ -91,7 +92,7 @@ def test_template_train_py_sweep(template_sweep, trainer):
     )
 
 
-@pytest.mark.skipif(not MODEL_PARALLEL, reason="Lightning or torch < 2.4: no ModelParallelStrategy")
+@pytest.mark.skipif(not MODEL_PARALLEL, reason=MODEL_PARALLEL_REASON)
 def test_template_train_py_sweep_with_model_parallel(template_sweep):
     template, proc = template_sweep
     ok(proc)
