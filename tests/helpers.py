@@ -27,7 +27,7 @@ LIGHTNING = version("pytorch-lightning")
 
 def builds_here(strategy):
     """Whether hydra_fsdp builds ``strategy`` on these releases, this machine (it refuses, naming what it needs,
-    e.g. HydraFSDP without a GPU on Lightning < 2.3, HydraModelParallel without one on torch < 2.7)."""
+    e.g. HydraFSDP without a GPU on Lightning < 2.3, HydraModelParallel without one on torch < 2.10)."""
     try:
         _check_versions(pytorch_lightning, strategy)
     except ImportError:
