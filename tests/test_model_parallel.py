@@ -2,17 +2,21 @@
 2 jobs x 2 CPU ranks: what each rank held, its checkpoints, and the mistakes it names."""
 
 import functools
+import sys
 
+import helpers
 import pytest
 import torch
 from helpers import (
     MODEL_PARALLEL,
     MODEL_PARALLEL_REASON,
+    app_env,
     assert_failed_job_then_healthy_job,
     assert_ranks_agree,
     copy_app,
     ok,
     records,
+    run_app,
     run_side_by_side,
     start_sweep,
     sweep_in,
@@ -138,6 +142,25 @@ def test_a_full_checkpoint_loads_across_hydra_ddp_and_hydra_model_parallel(tmp_p
         assert tested[0]["weight_sum"] == tested[1]["weight_sum"] == pytest.approx(fitted["ddp"], rel=1e-6), (
             name
         )
+
+
+def test_a_distributed_checkpoint_folder_consolidated_by_lightning_loads_into_hydra_ddp(tmp_path):
+    # The folder (each rank its shard) is FSDP2's own layout; a user who evaluates with DDP, on one
+    # GPU or outside a Trainer turns it into one file with Lightning's utility, run where the app is.
+    app = copy_app(tmp_path)
+    ok(sweep(app, "module.seed=0", *FSDP2, *CHECKPOINTED))
+    folder = app / "sweep" / "0" / "checkpoints" / "last.ckpt"
+    assert folder.is_dir(), "HydraModelParallel's default is a distributed-checkpoint folder"
+    consolidate = [sys.executable, "-m", "lightning.fabric.utilities.consolidate_checkpoint", str(folder)]
+    ok(helpers.run(consolidate, app, app_env("ddp")))
+    single_file = folder.with_name("last.ckpt.consolidated")
+    ok(run_app(app, "hydra.sweep.dir=other", f"stages=[test:same:{single_file}]"))
+    fitted = records(app / "sweep" / "0")[0]["weight_sum"]
+    tested = records(app / "other" / "0", "test")
+    assert tested[0]["weight_sum"] == tested[1]["weight_sum"] == pytest.approx(fitted, rel=1e-6)
+    state_dict = torch.load(single_file, map_location="cpu", weights_only=False)["state_dict"]
+    weight_sum = sum(float(tensor.double().sum()) for tensor in state_dict.values())
+    assert weight_sum == pytest.approx(fitted, rel=1e-6), "torch.load of the consolidated file"
 
 
 @pytest.mark.parametrize(
