@@ -57,7 +57,9 @@ class Tiny(pl.LightningModule):
         self.params_total = sum(p.numel() for p in self.net.parameters())
         started = job_dir() / "started"
         started.mkdir(exist_ok=True)
-        (started / f"rank{local_rank()}.json").write_text(
+        # written whole, then renamed: the tests poll for it and must never read half of it
+        writing = started / f".rank{local_rank()}.json.part"
+        writing.write_text(
             json.dumps(
                 {
                     "pid": os.getpid(),
@@ -71,6 +73,7 @@ class Tiny(pl.LightningModule):
                 }
             )
         )
+        writing.rename(started / f"rank{local_rank()}.json")
         self._maybe_fail("init")
 
     def _maybe_fail(self, when):
