@@ -57,8 +57,9 @@ class Tiny(pl.LightningModule):
         self.params_total = sum(p.numel() for p in self.net.parameters())
         started = job_dir() / "started"
         started.mkdir(exist_ok=True)
-        # written whole, then renamed: the tests poll for it and must never read half of it
-        writing = started / f".rank{local_rank()}.json.part"
+        # written whole, then renamed: the tests poll for it and must never read half of it; the
+        # part is named by pid because two torchrun "nodes" on one machine share a local rank
+        writing = started / f".rank{local_rank()}.{os.getpid()}.json.part"
         writing.write_text(
             json.dumps(
                 {
