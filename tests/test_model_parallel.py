@@ -115,20 +115,28 @@ def test_a_new_run_resumes_from_last_as_if_fit_had_never_stopped(tmp_path, distr
 
 
 def test_a_full_checkpoint_loads_across_hydra_ddp_and_hydra_model_parallel(tmp_path):
-    # the same seed: both fits end with the same weights; each strategy tests the other's last.ckpt
+    # The same seed: both fits end with the same weights. Each strategy tests the other's last.ckpt,
+    # then resumes fit from it to epoch 2 and ends where 2 uninterrupted epochs do; with momentum,
+    # only if the optimizer's state crossed over too.
     apps = {strategy: copy_app(tmp_path / strategy) for strategy in ("ddp", "model_parallel")}
+    uninterrupted = copy_app(tmp_path / "uninterrupted")
     sizes = {"ddp": (), "model_parallel": (*FSDP2, "+trainer.strategy.save_distributed_checkpoint=false")}
+    common = ("module.seed=0", "module.momentum=0.9")
+    last = {name: app / "sweep" / "0" / "checkpoints" / "last.ckpt" for name, app in apps.items()}
     fits = [
-        functools.partial(start_sweep, app, "module.seed=0", *sizes[name], *CHECKPOINTED, strategy=name)
+        functools.partial(start_sweep, app, *common, *sizes[name], *CHECKPOINTED, strategy=name)
         for name, app in apps.items()
     ]
+    fits.append(functools.partial(start_sweep, uninterrupted, *common, "trainer.max_epochs=2"))
     tests = [
         functools.partial(
             start_sweep,
             app,
             "hydra.sweep.dir=other",
+            *common,
             *sizes[name],
-            f"stages=[test:same:{apps[other] / 'sweep' / '0' / 'checkpoints' / 'last.ckpt'}]",
+            "trainer.max_epochs=2",
+            f"stages=[test:same:{last[other]},fit:fresh:{last[other]}]",
             strategy=name,
         )
         for (name, app), other in zip(apps.items(), ("model_parallel", "ddp"))
@@ -140,6 +148,12 @@ def test_a_full_checkpoint_loads_across_hydra_ddp_and_hydra_model_parallel(tmp_p
     for name, app in apps.items():
         tested = records(app / "other" / "0", "test")
         assert tested[0]["weight_sum"] == tested[1]["weight_sum"] == pytest.approx(fitted["ddp"], rel=1e-6), (
+            name
+        )
+    two_epochs = records(uninterrupted / "sweep" / "0")[0]["weight_sum"]
+    for name, app in apps.items():
+        resumed = records(app / "other" / "0")
+        assert resumed[0]["weight_sum"] == resumed[1]["weight_sum"] == pytest.approx(two_epochs, rel=1e-6), (
             name
         )
 

@@ -46,10 +46,21 @@ def local_rank():
 
 class Tiny(pl.LightningModule):
     def __init__(
-        self, lr=0.1, job=-1, tag="", stamp="", width=64, fail_rank=-1, fail_how="", fail_job=0, seed=None
+        self,
+        lr=0.1,
+        momentum=0.0,
+        job=-1,
+        tag="",
+        stamp="",
+        width=64,
+        fail_rank=-1,
+        fail_how="",
+        fail_job=0,
+        seed=None,
     ):
         super().__init__()
         self.seen = {"lr": lr, "job": job, "tag": tag, "stamp": stamp}
+        self.momentum = momentum  # > 0: the optimizer has state, which a resume must restore
         self.fail = (fail_rank if job == fail_job else -1, fail_how)
         if seed is not None:  # the same initial weights on every rank, whichever strategy shards them
             torch.manual_seed(seed)
@@ -116,7 +127,7 @@ class Tiny(pl.LightningModule):
         return self(batch[0])
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=self.seen["lr"])
+        return torch.optim.SGD(self.parameters(), lr=self.seen["lr"], momentum=self.momentum)
 
     def _data(self):
         return regression_data(seed=0, samples=64)
