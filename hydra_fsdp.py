@@ -207,9 +207,10 @@ class _ByReference(pickle.Pickler):
     ``@hydra.main`` function is pickled as "``__wrapped__``, n times, of the module's ``main``", a dataclass
     made at run time (hydra-zen's: module ``types``) as its fields. ``named``: by module, a name pickled."""
 
-    def __init__(self, file: io.BytesIO) -> None:
+    def __init__(self, file: io.BytesIO, script: str | None = None) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.named: dict = {}
+        self.script = script  # the launching script, where this process's __main__ is not it (a worker)
 
     def reducer_override(self, obj: Any) -> Any:
         if not isinstance(obj, (types.FunctionType, type)):
@@ -220,6 +221,16 @@ class _ByReference(pickle.Pickler):
             named, wrappers = getattr(named, "__wrapped__", None), wrappers + 1
         if named is obj and wrappers:
             return _unwrapped, (_attribute(obj.__module__, obj.__qualname__), wrappers)
+        if named is None and obj.__module__ == "__main__" and "<" not in obj.__qualname__:
+            # A copy of something the launching script defines, pickled by value (cloudpickle) into a worker
+            # (joblib's, submitit's) whose __main__ is the launcher's: a child finds it in the script itself.
+            # cloudpickle keeps a function's line and its module's __file__, not its code's file name.
+            path = getattr(obj, "__globals__", {}).get("__file__")
+            if path is not None and os.path.isfile(path) and os.path.abspath(path) != _main_file():
+                self.script = os.path.abspath(path)
+            if self.script is not None:
+                line = obj.__code__.co_firstlineno if isinstance(obj, types.FunctionType) else None
+                return _in_script, (self.script, obj.__qualname__, line)
         if named is None and obj.__module__ == "types" and dataclasses.is_dataclass(obj):
             fields = [
                 (f.name, f.type) + (() if f.default is dataclasses.MISSING else (f.default,))
@@ -242,6 +253,29 @@ def _unwrapped(wrapper: Any, wrappers: int) -> Callable:
     return wrapper
 
 
+def _main_file() -> str | None:
+    path = getattr(sys.modules["__main__"], "__file__", None)
+    return None if path is None else os.path.abspath(path)
+
+
+def _in_script(script: str, qualname: str, line: int | None) -> Any:
+    """In a child, which imported ``script`` as ``__main__``: its ``qualname``, or for a function the one
+    under its decorators (``__wrapped__``) whose code starts at ``line`` of the script."""
+    found = _attribute("__main__", qualname)
+    while line is not None and found is not None:
+        code = getattr(found, "__code__", None)
+        if code is not None and (code.co_filename, code.co_firstlineno) == (script, line):
+            break
+        found = getattr(found, "__wrapped__", None)
+    if found is None:
+        raise RankLaunchError(
+            f"A child rank cannot find {qualname} (line {line}) in {script}, where rank 0's copy of it was"
+            " defined: the script changed while the sweep ran, or defines it only when run as __main__."
+            f" {_WHERE_CLASSES_GO}"
+        )
+    return found
+
+
 def _made_again(qualname: str, fields: list) -> type:
     """A dataclass made at run time, made again in a child: its name, fields, types and defaults."""
     made = dataclasses.make_dataclass(qualname.rpartition(".")[2], fields, kw_only=True)
@@ -249,20 +283,29 @@ def _made_again(qualname: str, fields: list) -> type:
     return made
 
 
-def _pickled(value: Any, what: str) -> tuple[bytes | None, str]:
-    """``value`` pickled by reference and ``""``, or None and why a child cannot have it."""
+class _Pickled(NamedTuple):
+    """A value pickled by reference for a child (None if it cannot be: ``why_not``), and the launching
+    script it found the value's ``__main__`` parts in, where this process's ``__main__`` is not it."""
+
+    data: bytes | None
+    why_not: str = ""
+    script: str | None = None
+
+
+def _pickled(value: Any, what: str, script: str | None = None) -> _Pickled:
     buffer = io.BytesIO()
-    pickler = _ByReference(buffer)
+    pickler = _ByReference(buffer, script)
     try:
         pickler.dump(value)
     except Exception as error:  # noqa: BLE001 - PicklingError, or what an object's own __reduce__ raises
-        return None, f"{what} cannot be pickled by reference: {error}"
-    if "__main__" in pickler.named and not _launching_script():
-        return None, (
+        return _Pickled(None, f"{what} cannot be pickled by reference: {error}")
+    if "__main__" in pickler.named and not (pickler.script or _launching_script()):
+        return _Pickled(
+            None,
             f"{what} needs __main__.{pickler.named['__main__']}, of an interactive session's __main__, which"
-            " a child rank cannot import"
+            " a child rank cannot import",
         )
-    return buffer.getvalue(), ""
+    return _Pickled(buffer.getvalue(), script=pickler.script)
 
 
 def _write_launch(path: Path, hydra_job: dict, spec: "_LaunchSpec") -> bool:
@@ -270,10 +313,13 @@ def _write_launch(path: Path, hydra_job: dict, spec: "_LaunchSpec") -> bool:
     run the task function (else the fallback: the config contract)."""
     _resolved_where_possible(hydra_job["task_cfg"])  # caches every ${now:...} rank 0 will read
     task_cfg = _job_config(hydra_job)
-    config, why_not = _pickled(task_cfg, "the job's config")
+    # The task function first: where it is a worker's copy of the script's, it names the script.
+    task, why_not, script = _pickled(hydra_job["task_function"], "the task function")
+    config, why_not_config, script = _pickled(task_cfg, "the job's config", script)
     if config is None:
-        raise RankLaunchError(f"Child ranks cannot have this job's config: {why_not}. {_WHERE_CLASSES_GO}")
-    task, why_not = _pickled(hydra_job["task_function"], "the task function")
+        raise RankLaunchError(
+            f"Child ranks cannot have this job's config: {why_not_config}. {_WHERE_CLASSES_GO}"
+        )
     if task is None:
         missing = [key for key in ("trainer", spec.module_key) if key not in task_cfg]
         if missing:
@@ -289,7 +335,7 @@ def _write_launch(path: Path, hydra_job: dict, spec: "_LaunchSpec") -> bool:
         "sys_path": list(sys.path),
         "sys_argv": list(sys.argv),
         "cwd": hydra_job["ret"].working_dir,
-        "main": _launching_script(),
+        "main": {"path": script} if script else _launching_script(),
         "hydra": _resolved_where_possible(HydraConfig.get()),
         "config": config,
         "resolved": _resolved_where_possible(task_cfg),
@@ -1784,6 +1830,9 @@ def _import_launching_script(main: dict) -> None:
     if "module" in main:
         namespace = runpy.run_module(main["module"], run_name="__mp_main__", alter_sys=False)
     elif "path" in main:
+        script_dir = os.path.dirname(main["path"])
+        if script_dir not in sys.path:  # as `python script.py` has it (a submitit worker's does not)
+            sys.path.insert(0, script_dir)
         namespace = runpy.run_path(main["path"], run_name="__mp_main__")
     else:
         return
