@@ -21,6 +21,7 @@ import contextlib
 import copy
 import dataclasses
 import faulthandler
+import fcntl
 import functools
 import gc
 import hashlib
@@ -74,6 +75,11 @@ DEFAULT_RANK_TIMEOUT = 600.0
 _LAUNCH_FILE = "rank_config.pickle"  # in the job's dir while it runs: its config, and all a child needs
 _CHILD_ENV = "HYDRA_FSDP_CONFIG"  # set for the child ranks hydra_fsdp starts: the config they run
 _SERVER_ENV = "HYDRA_FSDP_FORK_SERVER"  # set for the fork server: what it imports (see _ForkServer)
+# Devices a running job holds that no other running job holds (see "the devices a job holds").
+_CLAIMS_ENV = "HYDRA_FSDP_CLAIMS"  # the folder of this user's claims on this node, or "off": claim nothing
+_GPUS_ENV = "HYDRA_FSDP_GPUS"  # the GPUs (as torch numbers them, "0,1,2,3") a sweep's jobs may claim
+_JOB_GPUS_ENV = "HYDRA_FSDP_JOB_GPUS"  # set for the child ranks: the GPUs their job holds
+_RANK_CORES_ENV = "HYDRA_FSDP_RANK_CORES"  # set for each child rank: the CPU cores it runs on
 _CHECK_IN_KEY = "hydra_fsdp/ready/{}"
 _GO_KEY = "hydra_fsdp/go"  # rank 0 runs this job with these children: they may run the task function
 _STAGE_KEY = "hydra_fsdp/stage/{}"  # the fallback: the stages rank 0 runs, in order
@@ -364,10 +370,14 @@ def _rank_launch(job: "_Job", hydra_job: dict) -> bool:
     env = {**os.environ, "MASTER_ADDR": spec.address, "MASTER_PORT": str(job.store.port), "NODE_RANK": "0"}
     env.update(WORLD_SIZE=str(spec.world_size), PYTHONUNBUFFERED="1")  # a killed child's last words logged
     env[_CHILD_ENV] = str(config_path)
+    if job.placement.gpus is not None:
+        env[_JOB_GPUS_ENV] = ",".join(map(str, job.placement.gpus))
     for rank in range(1, spec.world_size):
         if rank > 1 and delay:
             time.sleep(delay)
         env = dict(env, LOCAL_RANK=str(rank))
+        if job.placement.cores[rank] is not None:
+            env[_RANK_CORES_ENV] = ",".join(map(str, job.placement.cores[rank]))
         server = job.sweep.started_fork_server(spec.lightning)
         on_failure = functools.partial(job.abort.abort, rank)
         log_path = job.children.log(rank)
@@ -565,6 +575,8 @@ def _run_forked(request: dict, lightning: str, replies: int, sigint: Any) -> Non
         os.chdir(request["cwd"])
         # What a fresh process reads at start-up, read again in the job's environment.
         _set_rank_zero_only(lightning, int(os.environ["LOCAL_RANK"]))
+        if _RANK_CORES_ENV in os.environ:
+            os.sched_setaffinity(0, map(int, os.environ[_RANK_CORES_ENV].split(",")))
         if "OMP_NUM_THREADS" in os.environ:
             torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
         if "numpy" in sys.modules:  # else every fork draws the server's numbers
@@ -575,6 +587,188 @@ def _run_forked(request: dict, lightning: str, replies: int, sigint: Any) -> Non
     os._exit(1)
 
 
+# -------------------- the devices a job holds
+
+
+class _Claim(NamedTuple):
+    """Devices of one kind a running job holds: their positions in the inventory it claimed them from, and
+    the open files whose locks hold them. Closing the files lets go of them, and so does the kernel when
+    the process ends, however it ends (SIGKILL included): a claim cannot outlive its job's rank 0."""
+
+    devices: list
+    files: list
+
+    def release(self) -> None:
+        for fd in self.files:
+            os.close(fd)
+
+
+def _claims_folder() -> Path | None:
+    """Where this user's running jobs claim devices on this node (a folder only they can write to), or
+    None where claiming is off."""
+    setting = os.environ.get(_CLAIMS_ENV, "")
+    if setting == "off":
+        return None
+    folder = Path(setting or f"/tmp/hydra_fsdp-{os.getuid()}")
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    found = folder.stat()
+    if found.st_uid != os.getuid() or found.st_mode & 0o022:
+        raise RankLaunchError(
+            f"hydra_fsdp keeps its jobs' claims on devices in {folder}, which is not yours alone (owner uid"
+            f" {found.st_uid}, mode {found.st_mode & 0o777:o}; expected uid {os.getuid()}, writable by you"
+            f" only). Remove it, or name a folder of your own: {_CLAIMS_ENV}=<folder> ({_CLAIMS_ENV}=off"
+            " claims nothing)."
+        )
+    return folder
+
+
+def _claim(folder: Path, kind: str, inventory: list, count: int) -> _Claim:
+    """``count`` devices of ``inventory`` (their names, of ``kind``) that no other running job holds.
+    One job claims at a time (the queue's lock), so that two jobs never each take part of what both need
+    and then wait for each other."""
+    if count > len(inventory):
+        raise RankLaunchError(
+            f"This job asks for {count} {kind}s, and hydra_fsdp's jobs may use {len(inventory)} on this node"
+            f" ({', '.join(inventory)}): ask for at most {len(inventory)}, or let them use more ({_GPUS_ENV}"
+            " for GPUs, the process's CPU affinity for cores)."
+        )
+    queue = os.open(folder / f"{kind}.queue", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(queue, fcntl.LOCK_EX)  # waits in the kernel, and a signal interrupts it
+        return _claim_in_turn(folder, kind, inventory, count)
+    finally:
+        os.close(queue)
+
+
+def _claim_in_turn(folder: Path, kind: str, inventory: list, count: int) -> _Claim:
+    """Each device is a file whose ``flock`` its holder keeps. Where too few are free, say once what the
+    job waits for, and wait in the kernel, not by polling: a thread blocked on each busy device's lock.
+    One that gets its lock after the claim is complete (or interrupted) lets go of it at once."""
+    paths = [folder / f"{kind}{name}.lock" for name in inventory]
+    files = [os.open(path, os.O_RDWR | os.O_CREAT, 0o600) for path in paths]
+    free = [index for index, fd in enumerate(files) if _locked_now(fd)]
+    busy = [index for index in range(len(files)) if index not in free]
+    changed, done = threading.Condition(), []
+    if len(free) < count:
+        holders = sorted({paths[index].read_text().strip() for index in busy} - {""})
+        log.warning(
+            f"hydra_fsdp: this job waits for {count} free {kind}s of {', '.join(inventory)}:"
+            f" {', '.join(inventory[index] for index in busy)} are held by other running jobs (rank 0 pid"
+            f" {', '.join(holders)}). It starts as soon as enough are free."
+        )
+        for index in busy:
+            args = (files[index], index, free, changed, done)
+            threading.Thread(target=_take_when_free, args=args, name="hydra-fsdp-claim", daemon=True).start()
+    else:
+        for index in busy:
+            os.close(files[index])
+    kept: list = []
+    try:
+        with changed:
+            changed.wait_for(lambda: len(free) >= count)
+            kept = sorted(free[:count])
+    finally:  # what the job keeps, or after an interrupt nothing: let go of every other lock taken
+        with changed:
+            done.append(True)
+            for index in (index for index in free if index not in kept):
+                os.close(files[index])
+    for index in kept:  # for a job that waits to name who holds it
+        os.ftruncate(files[index], 0)
+        os.pwrite(files[index], f"{os.getpid()}\n".encode(), 0)
+    return _Claim(kept, [files[index] for index in kept])
+
+
+def _take_when_free(fd: int, index: int, free: list, changed: threading.Condition, done: list) -> None:
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    with changed:
+        if done:
+            os.close(fd)
+        else:
+            free.append(index)
+            changed.notify_all()
+
+
+def _locked_now(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+class _Placement(NamedTuple):
+    """Where a job's ranks run: the GPUs the job holds (None: as Lightning maps ``devices``), each rank's
+    CPU cores (None: not pinned) and the threads each rank runs."""
+
+    gpus: list | None
+    cores: list
+    threads: int
+
+
+def _placement(spec: "_LaunchSpec", claims: list) -> _Placement:
+    """Claim what the job runs on (each claim added to ``claims``). On CUDA, ``devices=N`` (Lightning's
+    cuda:0..N-1) becomes N GPUs no other running job holds, any other list of GPUs is used as given, and a
+    rank runs its GPU's share of the cores as threads. On the CPU the job claims its share of the cores
+    (``_cores_per_job``), split among its ranks. With claiming off, each job splits all cores among its
+    ranks, as Lightning's own launcher does."""
+    cores, folder, world = sorted(os.sched_getaffinity(0)), _claims_folder(), spec.world_size
+    unclaimed = _Placement(None, [None] * world, max(1, len(cores) // world))
+    if spec.devices[0].type == "cuda":
+        if folder is None or [device.index for device in spec.devices] != list(range(world)):
+            return unclaimed
+        inventory = _gpu_inventory()
+        claims.append(_claim(folder, "gpu", list(inventory.values()), world))
+        gpus = [list(inventory)[index] for index in claims[-1].devices]
+        return _Placement(gpus, [None] * world, max(1, len(cores) // len(inventory)))
+    if folder is None:
+        return unclaimed
+    claims.append(_claim(folder, "cpu", [str(core) for core in cores], _cores_per_job(len(cores))))
+    held = [cores[index] for index in claims[-1].devices]
+    share = len(held) // world  # none where the job has fewer cores than ranks: they share them
+    return _Placement(
+        None, [held[r * share : (r + 1) * share] if share else held for r in range(world)], max(1, share)
+    )
+
+
+def _gpu_inventory() -> dict:
+    """The GPUs a sweep's jobs may claim (``HYDRA_FSDP_GPUS``, else all), by torch's number: the name that
+    the claim uses, the same in every process of the node (CUDA_VISIBLE_DEVICES renumbers them)."""
+    count, allowed = torch.cuda.device_count(), os.environ.get(_GPUS_ENV, "")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    names = visible.split(",")[:count] if visible else [str(index) for index in range(count)]
+    try:
+        return (
+            {int(index): names[int(index)] for index in allowed.split(",")}
+            if allowed
+            else dict(enumerate(names))
+        )
+    except (ValueError, IndexError):
+        raise RankLaunchError(
+            f"{_GPUS_ENV}={allowed!r}: expected the numbers of GPUs a sweep's jobs may use, comma-separated,"
+            f" each below the {count} torch sees here (e.g. {_GPUS_ENV}=0,1)."
+        ) from None
+
+
+def _cores_per_job(cores: int) -> int:
+    """How many of ``cores`` a job on the CPU claims: ``cpus_per_task`` where submitit's launcher states it,
+    else its share by the number of jobs the joblib launcher runs at once (``n_jobs``; negative as joblib
+    reads it), else all of them: such a launcher (Hydra's basic one) runs one job at a time."""
+    launcher = HydraConfig.get().get("launcher") or {}
+    if launcher.get("cpus_per_task"):
+        return int(launcher["cpus_per_task"])
+    n_jobs = launcher.get("n_jobs")
+    if isinstance(n_jobs, int) and n_jobs != 0:
+        return max(1, cores // (n_jobs if n_jobs > 0 else max(1, (os.cpu_count() or 1) + 1 + n_jobs)))
+    return cores
+
+
+def _pin(cores: Any) -> None:
+    """Run every thread of this process on ``cores``: a thread started earlier (torch's) keeps its own."""
+    for thread in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):  # a thread that just ended
+            os.sched_setaffinity(int(thread), cores)
+
+
 # -------------------- rank 0's job
 
 
@@ -582,6 +776,7 @@ class _LaunchSpec(NamedTuple):
     """What starting a job's child ranks takes from its strategy."""
 
     world_size: int
+    devices: tuple  # Lightning's devices for the ranks (cuda:0..N-1 for devices=N)
     address: str
     lightning: str
     rank_timeout: float
@@ -852,7 +1047,8 @@ class _Job:
         self.closing = contextlib.ExitStack()
         atexit.register(self.close)  # a job that never reaches on_job_end (SystemExit) still ends
         self.closing.callback(self._forget)
-        saved_environ = {key: os.environ.get(key) for key in (*_RENDEZVOUS_ENV, *_NCCL_KEEPS_THE_PROCESS)}
+        saved = (*_RENDEZVOUS_ENV, *_NCCL_KEEPS_THE_PROCESS, "OMP_NUM_THREADS")
+        saved_environ = {key: os.environ.get(key) for key in saved}
         self.closing.callback(_restore_environ, saved_environ)
         self.store = sweep.new_store(spec.address)
         os.environ["MASTER_PORT"] = str(self.store.port)
@@ -862,11 +1058,17 @@ class _Job:
         self.closing.callback(self.children.end)
 
     def launch(self, hydra_job: dict) -> None:
-        # The CPUs split among the ranks, as Lightning's launcher does (a user's value stands).
-        if "OMP_NUM_THREADS" not in os.environ:
-            threads = max(1, len(os.sched_getaffinity(0)) // self.spec.world_size)
-            torch.set_num_threads(threads)
-            os.environ["OMP_NUM_THREADS"] = str(threads)
+        # Rank 0 runs on the job's own cores and threads, and gets its own back after the job.
+        self.closing.callback(torch.set_num_threads, torch.get_num_threads())
+        self.closing.callback(_pin, os.sched_getaffinity(0))
+        claims: list = []
+        self.closing.callback(lambda: [claim.release() for claim in claims])
+        self.placement = _placement(self.spec, claims)
+        if self.placement.cores[0] is not None:
+            _pin(self.placement.cores[0])
+        if "OMP_NUM_THREADS" not in os.environ:  # a user's value stands
+            torch.set_num_threads(self.placement.threads)
+            os.environ["OMP_NUM_THREADS"] = str(self.placement.threads)
         self.sweep.follow(hydra_job["hydra_context"]).last_spec = self.spec
         self.runs_task = _rank_launch(self, hydra_job)
         for key, value in _NCCL_KEEPS_THE_PROCESS.items():  # rank 0's own: the children keep torch's
@@ -1165,6 +1367,8 @@ class _HydraRankLauncher:
             _sweep.follow(hydra_job["hydra_context"]).ran = hydra_job["ret"]
         if env.creates_processes_externally:  # a child rank we started, or torchrun / SLURM
             if _CHILD_ENV in os.environ:
+                gpus = os.environ.get(_JOB_GPUS_ENV)
+                strategy._job_gpus = None if gpus is None else [int(gpu) for gpu in gpus.split(",")]
                 _child_store().set(_CHECK_IN_KEY.format(os.environ["LOCAL_RANK"]), "1")
             else:
                 _check_launched_world_size(strategy.num_nodes, strategy.num_processes)
@@ -1176,10 +1380,12 @@ class _HydraRankLauncher:
                 " Across nodes, let torchrun or SLURM start every rank."
             )
         lightning, address = strategy._lightning.__name__, env.main_address
+        devices = tuple(strategy.parallel_devices)
         spec = _LaunchSpec(
-            strategy.world_size, address, lightning, strategy.rank_timeout, **strategy._config_keys
+            strategy.world_size, devices, address, lightning, strategy.rank_timeout, **strategy._config_keys
         )
         job = _sweep.job_for(spec, hydra_job)
+        strategy._job_gpus = job.placement.gpus
         try:
             job.begin_stage(trainer, call)
             with job.stage():
@@ -1354,6 +1560,13 @@ class _HydraStrategy:
         self.rank_timeout = rank_timeout
         self._config_keys = config_keys
         self._stage_ckpt_path: Any = None
+        self._job_gpus: list | None = None  # the GPUs this rank's job holds, by rank (see _placement)
+
+    @property
+    def root_device(self) -> torch.device:
+        if self._job_gpus is None:
+            return super().root_device
+        return torch.device("cuda", self._job_gpus[self.local_rank])
 
     @property
     def launcher(self) -> "_HydraRankLauncher":

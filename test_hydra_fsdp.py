@@ -253,7 +253,7 @@ def twice_decorated(cfg):
     ids=["function", "@hydra.main", "two decorators", "zen"],
 )
 def test_task_functions_reach_a_child_by_reference(task):
-    pickled, why_not = hydra_fsdp._pickled(task, "the task function")
+    pickled, why_not, _ = hydra_fsdp._pickled(task, "the task function")
     assert why_not == ""
     unpickled = pickle.loads(pickled)
     if isinstance(task, type(zen(FitModule))):
@@ -268,7 +268,7 @@ def test_a_closure_or_lambda_cannot_reach_a_child():
         pass
 
     for task in (closure, lambda cfg: None):
-        pickled, why_not = hydra_fsdp._pickled(task, "the task function")
+        pickled, why_not, _ = hydra_fsdp._pickled(task, "the task function")
         assert pickled is None and "cannot be pickled by reference" in why_not
 
 
@@ -279,7 +279,7 @@ def test_a_task_of_an_interactive_session_cannot_reach_a_child(monkeypatch):
     typed_in.__module__, typed_in.__qualname__ = "__main__", "typed_in"
     monkeypatch.setattr(sys.modules["__main__"], "typed_in", typed_in, raising=False)
     monkeypatch.setattr(hydra_fsdp, "_launching_script", dict)  # what `python -i`, Jupyter give
-    pickled, why_not = hydra_fsdp._pickled(typed_in, "the task function")
+    pickled, why_not, _ = hydra_fsdp._pickled(typed_in, "the task function")
     assert pickled is None and "__main__.typed_in, of an interactive session" in why_not
 
 
@@ -790,7 +790,7 @@ def test_a_config_class_no_child_can_import_is_named_at_once():
     class Local:  # defined in a function: no import finds it
         lr: float = 0.1
 
-    pickled, why_not = hydra_fsdp._pickled(hydra_fsdp.OmegaConf.structured(Local), "the job's config")
+    pickled, why_not, _ = hydra_fsdp._pickled(hydra_fsdp.OmegaConf.structured(Local), "the job's config")
     assert (
         pickled is None
         and "the job's config cannot be pickled by reference" in why_not
@@ -800,7 +800,7 @@ def test_a_config_class_no_child_can_import_is_named_at_once():
 
 def test_a_dataclass_made_at_run_time_is_made_again_with_its_fields():
     config = hydra_fsdp.OmegaConf.structured(make_config(lr=0.1, net=builds(torch.nn.Linear, 2, 3)))
-    pickled, why_not = hydra_fsdp._pickled(config, "the job's config")
+    pickled, why_not, _ = hydra_fsdp._pickled(config, "the job's config")
     assert why_not == ""
     again = pickle.loads(pickled)
     made = hydra_fsdp.OmegaConf.to_object(again)

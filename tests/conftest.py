@@ -27,6 +27,7 @@ LONGEST_FIRST = [
     "test_external",  # 67
     "test_ecosystem",  # 65
     "test_sweeps",  # 64
+    "test_parallel_jobs",  # 60
     "test_long_sweeps",  # 50
     "test_config_fidelity",  # 24
     "test_model_parallel",  # 75

@@ -167,7 +167,11 @@ def end_tree(pid):
 
 
 def app_env(strategy="ddp", env=None):
+    """An app's environment. Its jobs claim devices in a folder of its own (HYDRA_FSDP_CLAIMS), as if
+    it ran alone on the node: tests that run at once never wait for each other's jobs; a test of
+    contention passes one folder to the sweeps it runs at once."""
     full_env = dict(os.environ, MUSHIN_DDP_LAUNCH_DELAY="0", APP_STRATEGY=strategy, HYDRA_FULL_ERROR="1")
+    full_env["HYDRA_FSDP_CLAIMS"] = tempfile.mkdtemp(prefix="hydra-fsdp-claims-")
     full_env.pop("PYTHONPATH", None)  # the app must find its own modules, as a user's would
     full_env.update(env or {})
     return full_env

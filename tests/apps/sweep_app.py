@@ -164,6 +164,10 @@ class Tiny(pl.LightningModule):
             jobs_run_here=JOBS_RUN_HERE,
             job_tag=os.environ.get("JOB_TAG"),
             threads=torch.get_num_threads(),
+            omp_num_threads=os.environ.get("OMP_NUM_THREADS"),
+            affinity=sorted(os.sched_getaffinity(0)),
+            fit_started=getattr(self, "fit_started", None),  # when it ran: jobs at once, or one at a time
+            time=time.time(),
             numpy_draw=float(numpy.random.rand()),
             rank_zero_only_rank=pl.utilities.rank_zero_only.rank,
             strategy_namespace=type(self.trainer.strategy)._lightning.__name__,
@@ -175,6 +179,9 @@ class Tiny(pl.LightningModule):
         out = job_dir() / "seen"
         out.mkdir(exist_ok=True)
         (out / f"{stage}_rank{self.global_rank}.json").write_text(json.dumps(seen))
+
+    def on_fit_start(self):
+        self.fit_started = time.time()
 
     def on_train_end(self):
         self._record("fit")
@@ -246,6 +253,19 @@ class RecordError(Callback):
         if job_return.status == JobStatus.FAILED:
             error = "".join(traceback.format_exception(job_return._return_value))
             (job_dir() / "error.txt").write_text(error + (job_dir() / "stderr.txt").read_text())
+
+
+class RecordProcess(Callback):
+    """``+hydra.callbacks.record_process._target_=__main__.RecordProcess``: what the sweep's process (rank 0
+    of every job of the basic launcher) runs on after the sweep, in <sweep dir>/process_after.json."""
+
+    def on_multirun_end(self, config, **kwargs):
+        state = {
+            "threads": torch.get_num_threads(),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            "affinity": sorted(os.sched_getaffinity(0)),
+        }
+        (Path(config.hydra.sweep.dir) / "process_after.json").write_text(json.dumps(state))
 
 
 Trainer = builds(

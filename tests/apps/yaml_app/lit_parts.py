@@ -5,6 +5,7 @@ import importlib
 import json
 import logging
 import os
+import time
 import warnings
 from pathlib import Path
 
@@ -25,6 +26,8 @@ class TinyModel(L.LightningModule):
     def training_step(self, batch, idx):
         if idx == 0:
             warnings.warn("a warning that every rank raises")
+        if os.environ.get("APP_SLOW_STEPS"):  # seconds a step: jobs at once overlap in training
+            time.sleep(float(os.environ["APP_SLOW_STEPS"]))
         x, y = batch
         return torch.nn.functional.mse_loss(self.net(x), y)
 
@@ -34,6 +37,9 @@ class TinyModel(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    def on_fit_start(self):
+        self.fit_started = time.time()
 
     def on_train_end(self):
         log.warning(f"rank {self.global_rank} of {self.trainer.world_size}: trained")
@@ -53,6 +59,12 @@ class TinyModel(L.LightningModule):
             "datamodule": type(self.trainer.datamodule).__name__,
             "pid": os.getpid(),
             "weight_sum": float(sum(p.detach().sum() for p in self.parameters())),
+            # what it ran on, and when: jobs at once must not share a core
+            "threads": torch.get_num_threads(),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            "affinity": sorted(os.sched_getaffinity(0)),
+            "fit_started": getattr(self, "fit_started", None),
+            "time": time.time(),
         }
         out = Path(seen["output_dir"], "seen")
         out.mkdir(exist_ok=True)
