@@ -3,12 +3,14 @@
 # that of the hydra_fsdp repository this copy was taken from (its README and tests live there).
 """Lightning's DDP, FSDP and FSDP2 strategies that work under Hydra, ``--multirun`` sweeps included.
 
-``HydraDDP``, ``HydraFSDP``, ``HydraModelParallel`` start every child rank of a Hydra job from the job's own config, as
-rank 0's task function received it (pickled, types included), and run the job's own task function on
-it, instead of re-running ``sys.argv`` (the whole sweep) as Lightning does. Sections follow a job: what
-rank 0 reads, what a child runs, the fork server that starts children, rank 0's sweep (``_Sweep``, what
-lasts from job to job) and job, the check that every rank runs the same thing, the strategies, and a
-child rank's own start.
+``HydraDDP``, ``HydraFSDP``, ``HydraModelParallel`` start every child rank of a Hydra job from the job's
+own config, as rank 0's task function received it (pickled, types included), and run the job's own task
+function on it, instead of re-running ``sys.argv`` (the whole sweep) as Lightning does. Each job runs on
+devices no other running job holds (GPUs, or on the CPU cores of its own), so that jobs run at once
+(Hydra's joblib and submitit_local launchers) never share one. Sections follow a job: what rank 0 reads,
+what a child runs, the fork server that starts children, the devices a job holds, rank 0's sweep
+(``_Sweep``, what lasts from job to job) and job, the check that every rank runs the same thing, the
+strategies, and a child rank's own start.
 
 Private names of torch, Lightning and Hydra are used only where no public API does the job, each
 guarded where it is used: a change upstream raises ``RankLaunchError`` naming it (``_upstream_changed``).
@@ -331,7 +333,8 @@ def _write_launch(path: Path, hydra_job: dict, spec: "_LaunchSpec") -> bool:
         if missing:
             raise RankLaunchError(
                 f"Child ranks cannot run this job: {why_not}, and the job's config has no"
-                f" {', '.join(repr(k) for k in missing)} key (it has: {', '.join(map(str, task_cfg)) or 'nothing'})"
+                f" {', '.join(repr(k) for k in missing)} key (it has:"
+                f" {', '.join(map(str, task_cfg)) or 'nothing'})"
                 " to build the trainer and module from instead. Define the task function at the top level of"
                 " an importable file, or put them in the config (name the module's key: module_key='model')."
             )
@@ -462,7 +465,8 @@ class _ForkServer:
             self.proc.kill()
             self.proc.wait()
             raise ChildRankError(
-                f"hydra_fsdp's fork server (pid {self.proc.pid}), which imports {', '.join(self.imports)} once"
+                f"hydra_fsdp's fork server (pid {self.proc.pid}), which imports {', '.join(self.imports)}"
+                " once"
                 f" for the sweep's child ranks, started none within {timeout:g} s and was ended. Raise"
                 " rank_timeout on the strategy if imports are this slow here (a shared file system)."
             )
@@ -803,8 +807,9 @@ class _Sweep(Callback):
         """The job's ranks for a stage of ``spec``: those started at Hydra's start of the job if alike."""
         if hydra_job is None or not HydraConfig.initialized():
             raise RankLaunchError(
-                "hydra_fsdp's strategies start child ranks from the running Hydra job's config, but no Hydra job is"
-                " running here. Call trainer.fit/test/... in a Hydra task function (@hydra.main, hydra_zen.zen,"
+                "hydra_fsdp's strategies start child ranks from the running Hydra job's config, but no Hydra"
+                " job is running here. Call trainer.fit/test/... in a Hydra task function (@hydra.main,"
+                " hydra_zen.zen,"
                 " hydra_zen.launch), or use Lightning's own strategy outside Hydra."
             )
         job = self.job
@@ -959,7 +964,8 @@ class _ChildRanks:
             except subprocess.TimeoutExpired:
                 self.unkillable.add(rank)
                 log.warning(
-                    f"hydra_fsdp: child rank {rank} (pid {proc.pid}) is still there {_KILL_WAIT:g} s after SIGKILL"
+                    f"hydra_fsdp: child rank {rank} (pid {proc.pid}) is still there {_KILL_WAIT:g} s after"
+                    " SIGKILL"
                     " (uninterruptible sleep: a hung driver or file system?); the sweep goes on without it."
                 )
 
@@ -985,8 +991,9 @@ class _ChildRanks:
                 if code != 0:
                     raise self.failure(rank)
                 raise ChildRankError(
-                    f"Child rank {rank} finished the job's task function while rank 0 still runs it, at a Trainer"
-                    f" stage the child never reached: the task function took another path there. {self.describe(rank)}"
+                    f"Child rank {rank} finished the job's task function while rank 0 still runs it, at a"
+                    " Trainer stage the child never reached: the task function took another path there."
+                    f" {self.describe(rank)}"
                 )
 
     def wait_until_exited(self, timeout: float) -> ChildRankError | None:
@@ -1549,7 +1556,8 @@ class _HydraStrategy:
     ) -> None:
         if type(rank_timeout) is bool or not isinstance(rank_timeout, (int, float)) or not rank_timeout > 0:
             raise ValueError(
-                f"rank_timeout={rank_timeout!r}: expected a number of seconds > 0 (default {DEFAULT_RANK_TIMEOUT:g})."
+                f"rank_timeout={rank_timeout!r}: expected a number of seconds > 0"
+                f" (default {DEFAULT_RANK_TIMEOUT:g})."
             )
         config_keys = {"module_key": module_key, "datamodule_key": datamodule_key}
         for name, key in config_keys.items():
@@ -1738,8 +1746,9 @@ class _HydraModelParallel(_HydraStrategy):
         super().setup_environment()
         if sizes == {"auto"} and self.num_nodes == 1 and self.world_size > 1:
             log.warning(
-                f"hydra_fsdp: HydraModelParallel's default mesh on one node is data_parallel=1 x tensor_parallel="
-                f"{self.world_size}: it shards no data (every rank reads the same batches). For FSDP2 alone set"
+                "hydra_fsdp: HydraModelParallel's default mesh on one node is data_parallel=1 x"
+                f" tensor_parallel={self.world_size}: it shards no data (every rank reads the same batches)."
+                " For FSDP2 alone set"
                 f" data_parallel_size={self.world_size}, tensor_parallel_size=1."
             )
 
@@ -1752,7 +1761,8 @@ class _HydraModelParallel(_HydraStrategy):
             if "can only be applied to a module once" not in str(error):
                 raise
             raise RuntimeError(
-                "configure_model() sharded a module again: Lightning calls it before every stage (fit, then test)."
+                "configure_model() sharded a module again: Lightning calls it before every stage (fit, then"
+                " test)."
                 " Make it idempotent: skip a module already sharded (`isinstance(module, FSDPModule)`)."
             ) from error
 

@@ -30,14 +30,14 @@ def free_port():
         return s.getsockname()[1]
 
 
-def torchrun(app_dir, *overrides, nnodes=1, nproc=2, strategy="ddp", timeout=SWEEP_TIMEOUT):
+def torchrun(app_dir, *overrides, nnodes=1, nproc=2, strategy="ddp", timeout=SWEEP_TIMEOUT, env=None):
     """Run the sweep under torchrun: ``nnodes`` agents on 127.0.0.1, ``nproc`` processes each.
 
     The agents run side by side, each in a session of its own with its output in a file; if any
     is not done in ``timeout`` s, all of them and their workers are ended, and the failure shows
     what every agent wrote.
     """
-    env = app_env(strategy)
+    env = app_env(strategy, env)
     port = free_port()
     agents = [
         Run([sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
@@ -62,7 +62,8 @@ def torchrun(app_dir, *overrides, nnodes=1, nproc=2, strategy="ddp", timeout=SWE
 
 
 @pytest.mark.parametrize("nnodes, nproc", [(1, 2), (2, 1)], ids=["1 node x 2", "2 nodes x 1"])
-def test_torchrun_sweep(app, nnodes, nproc):
+def test_torchrun_sweep(app, nnodes, nproc, tmp_path):
+    claims = tmp_path / "claims"  # the engine assigns the devices: nothing may be claimed
     codes, output, seconds = torchrun(
         app,
         f"trainer.strategy._target_={SWEPT_TARGETS}",  # both strategies on the engine's one process group
@@ -72,8 +73,10 @@ def test_torchrun_sweep(app, nnodes, nproc):
         f"trainer.devices={nproc}",
         nnodes=nnodes,
         nproc=nproc,
+        env={"HYDRA_FSDP_CLAIMS": str(claims)},
     )
     assert codes == [0] * nnodes, output[-6000:]
+    assert not claims.exists(), "under torchrun no job claims a device"
     engine_env = None
     jobs = [(job, strategy, lr) for strategy in SWEPT for job, lr in swept_jobs(strategy)]
     for job, strategy, lr in jobs:

@@ -125,8 +125,9 @@ def slurm_sweep():
 
     def sweep(app, cluster):
         if not swept:
+            env = {**cluster.env, "HYDRA_FSDP_CLAIMS": str(app / "claims")}  # SLURM assigns the devices
             proc = sweep_in(app, *launcher(cluster), *APP_UNDER_SUBMITIT, f"trainer.strategy._target_={SWEPT_TARGETS}",
-                            f"module.lr={SWEPT_LR_VALUES}", env=cluster.env,
+                            f"module.lr={SWEPT_LR_VALUES}", env=env,
                             timeout=SLURM_SWEEP_TIMEOUT * len(SWEPT))  # fmt: skip
             assert proc.returncode == 0, failure_report(proc, app, cluster)
             swept.append((app, proc))
@@ -150,6 +151,7 @@ def test_slurm_sweep_two_tasks_per_job(app, cluster, slurm_sweep, strategy):
         # SLURM started both ranks: HydraDDP/HydraFSDP spawned no child and wrote no plan for one
         assert not (job_dir / "rank_1.log").exists()
         assert not (job_dir / "rank_config.pickle").exists()
+        assert not (app / "claims").exists(), "under SLURM no job claims a device"
         # each SLURM task of this job was one rank
         array_task = f"{array_id}_{job}"
         for rank in (0, 1):

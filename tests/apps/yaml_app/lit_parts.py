@@ -26,8 +26,6 @@ class TinyModel(L.LightningModule):
     def training_step(self, batch, idx):
         if idx == 0:
             warnings.warn("a warning that every rank raises")
-        if os.environ.get("APP_SLOW_STEPS"):  # seconds a step: jobs at once overlap in training
-            time.sleep(float(os.environ["APP_SLOW_STEPS"]))
         x, y = batch
         return torch.nn.functional.mse_loss(self.net(x), y)
 
@@ -40,6 +38,12 @@ class TinyModel(L.LightningModule):
 
     def on_fit_start(self):
         self.fit_started = time.time()
+        meeting = os.environ.get("APP_MEET_IN")  # a folder: the first job to train waits for a second
+        if meeting and self.global_rank == 0:
+            Path(meeting, str(os.getpid())).touch()
+            deadline = time.time() + 60  # then it goes on alone (and the test that asked fails)
+            while len(os.listdir(meeting)) < 2 and time.time() < deadline:
+                time.sleep(0.05)
 
     def on_train_end(self):
         log.warning(f"rank {self.global_rank} of {self.trainer.world_size}: trained")
