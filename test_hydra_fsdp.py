@@ -77,8 +77,9 @@ def launch_with_mocked_children(
             ),
             module=builds(torch.nn.Linear, 2, 2),
         )
+    env = {"HYDRA_FSDP_CLAIMS": str(tmp_path / "claims"), **(env or {})}  # the node's claims: the test's own
     with (
-        mock.patch.dict(os.environ, env or {}),
+        mock.patch.dict(os.environ, env),
         mock.patch.object(hydra_fsdp.subprocess, "Popen") as popen,
         mock.patch.object(hydra_fsdp._ForkServer, "start") as start,
         mock.patch.object(hydra_fsdp.time, "sleep") as sleep,
@@ -808,3 +809,94 @@ def test_a_dataclass_made_at_run_time_is_made_again_with_its_fields():
     assert (
         made.lr == 0.1 and type(made.net).__qualname__ == "Builds_Linear" and list(made.net._args_) == [2, 3]
     )
+
+
+# --------------------------------------------------------------------------- the devices a job holds
+
+CORES = sorted(os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize("claims", ["a folder", "off"])
+def test_each_child_is_started_on_its_cores_and_threads_and_rank0_gets_its_own_back(tmp_path, claims):
+    """Alone on the node (the basic launcher), a job holds every core: each of its 2 ranks runs its
+    half, and as many threads; rank 0's affinity, threads and OMP_NUM_THREADS come back after the job.
+    With claiming off the ranks are not pinned: the threads split the cores, as before."""
+    threads, seen = torch.get_num_threads(), {}
+
+    def stage(job, *args):
+        seen.update(affinity=sorted(os.sched_getaffinity(0)), threads=torch.get_num_threads())
+        seen["omp"] = os.environ.get("OMP_NUM_THREADS")
+        raise _StopAfterSpawn
+
+    env = {} if claims == "a folder" else {"HYDRA_FSDP_CLAIMS": "off"}
+    with mock.patch.object(hydra_fsdp._Job, "begin_stage", autospec=True, side_effect=stage):
+        run = launch_with_mocked_children(tmp_path, HydraDDP, devices=2, env=env)
+    assert isinstance(run.error, _StopAfterSpawn)
+    half = len(CORES) // 2
+    (child_env,) = [call.args[1] for call in run.start.call_args_list]
+    assert seen["threads"] == int(seen["omp"]) == int(child_env["OMP_NUM_THREADS"]) == max(1, half)
+    if claims == "off" or half == 0:
+        assert seen["affinity"] == CORES
+    else:
+        assert seen["affinity"] == CORES[:half] and child_env["HYDRA_FSDP_RANK_CORES"] == ",".join(
+            map(str, CORES[half : 2 * half])
+        )
+    assert ("HYDRA_FSDP_RANK_CORES" in child_env) == (claims != "off" and half > 0)
+    assert "HYDRA_FSDP_JOB_GPUS" not in child_env  # on the CPU
+    assert sorted(os.sched_getaffinity(0)) == CORES and torch.get_num_threads() == threads
+    assert "OMP_NUM_THREADS" not in os.environ
+
+
+def cuda_spec(*indexes):
+    devices = tuple(torch.device("cuda", index) for index in indexes)
+    return hydra_fsdp._LaunchSpec(
+        len(devices), devices, "127.0.0.1", "pytorch_lightning", 60.0, "module", "datamodule"
+    )
+
+
+def test_devices_n_on_cuda_becomes_gpus_no_other_running_job_holds(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYDRA_FSDP_CLAIMS", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    claims = []
+    first = hydra_fsdp._placement(cuda_spec(0, 1), claims)
+    second = hydra_fsdp._placement(cuda_spec(0, 1), claims)
+    assert (first.gpus, second.gpus) == ([0, 1], [2, 3])
+    assert first.threads == max(1, len(CORES) // 4) and first.cores == [None, None]
+    assert hydra_fsdp._placement(cuda_spec(2, 3), claims).gpus is None, "a list is used as given"
+    with pytest.raises(RankLaunchError, match="asks for 5 gpus, and hydra_fsdp's jobs may use 4"):
+        hydra_fsdp._placement(cuda_spec(0, 1, 2, 3, 4), claims)
+    claims.pop(0).release()  # the first job ended
+    assert hydra_fsdp._placement(cuda_spec(0, 1), claims).gpus == [0, 1]
+    for claim in claims:
+        claim.release()
+
+
+def test_the_gpus_a_sweep_may_claim_and_their_names_across_processes(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYDRA_FSDP_CLAIMS", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    monkeypatch.setenv("HYDRA_FSDP_GPUS", "1,3")
+    claims = []
+    assert hydra_fsdp._placement(cuda_spec(0, 1), claims).gpus == [1, 3]
+    assert sorted(path.name for path in tmp_path.glob("*.lock")) == ["gpu5.lock", "gpu7.lock"]
+    assert (tmp_path / "gpu5.lock").read_text() == f"{os.getpid()}\n"  # for a waiter to name
+    claims.pop().release()
+    monkeypatch.setenv("HYDRA_FSDP_GPUS", "1,4")
+    with pytest.raises(RankLaunchError, match=r"HYDRA_FSDP_GPUS='1,4': .* below the 4 torch sees"):
+        hydra_fsdp._placement(cuda_spec(0, 1), claims)
+
+
+def test_every_rank_of_a_job_runs_on_the_gpus_it_holds():
+    strategy = HydraDDP(accelerator="cpu")
+    strategy.parallel_devices = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert strategy.root_device == torch.device("cuda", 0)  # Lightning's, for devices=2
+    strategy._job_gpus = [5, 7]
+    assert strategy.root_device == torch.device("cuda", 5)
+    with mock.patch.object(type(strategy), "local_rank", new_callable=mock.PropertyMock, return_value=1):
+        assert strategy.root_device == torch.device("cuda", 7)
+
+
+def test_a_worker_that_cannot_find_the_scripts_function_says_which(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "__main__", SimpleNamespace(__file__=str(tmp_path / "train.py")))
+    with pytest.raises(RankLaunchError, match=r"cannot find main \(line 12\) in .*train.py"):
+        hydra_fsdp._in_script(str(tmp_path / "train.py"), "main", 12)

@@ -323,19 +323,16 @@ def test_claims_live_where_only_the_user_can_write(tmp_path, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_jobs_at_once_with_one_gpu_each_run_one_after_the_other(tmp_path):
-    """On a one-GPU machine, joblib n_jobs=2 and devices=1: the second job waits for the GPU the
-    first holds, then trains on it."""
-    app = copy_app(tmp_path / "app")
-    env = app_env(env={"HYDRA_FSDP_GPUS": "0"})
-    proc = start_sweep(
-        app, *JOBLIB, "module.lr=0.1,0.2", "trainer.accelerator=gpu", "trainer.devices=1", env=env
-    )
-    proc.wait(240)
+    """On a one-GPU machine, joblib n_jobs=2 and devices=1: the second job waits for the GPU the first
+    holds, says so, then trains on it."""
+    project = yaml_project(tmp_path)
+    overrides = (*JOBLIB, "model.lr=0.1,0.2", "test=false", "trainer.accelerator=gpu", "trainer.devices=1")
+    proc = start_sweep(project, *overrides, script="train.py", env={"HYDRA_FSDP_GPUS": "0"})
+    wait_all([proc])
     ok(proc)
-    windows = [job_window(app / "sweep" / str(job)) for job in (0, 1)]
+    windows = [job_window(project / "sweep" / str(job)) for job in (0, 1)]
     assert not overlap(*windows), windows
-    assert all(records(app / "sweep" / str(job)) for job in (0, 1))
-    assert "this job waits for 1 free gpus" in proc.text()
+    assert "this job waits for 1 free gpus of 0" in proc.text()
 
 
 if not FSDP_ON_CPU:  # the sweeps above run HydraFSDP too
