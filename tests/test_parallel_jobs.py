@@ -26,7 +26,6 @@ from helpers import (
     SWEPT,
     SWEPT_LR_VALUES,
     SWEPT_TARGETS,
-    app_env,
     copy_app,
     ok,
     records,
