@@ -724,7 +724,7 @@ def _placement(spec: "_LaunchSpec", claims: list) -> _Placement:
         claims.append(_claim(folder, "gpu", list(inventory.values()), world))
         gpus = [list(inventory)[index] for index in claims[-1].devices]
         return _Placement(gpus, [None] * world, max(1, len(cores) // len(inventory)))
-    if folder is None:
+    if folder is None or spec.devices[0].type != "cpu":  # another accelerator: as Lightning has it
         return unclaimed
     claims.append(_claim(folder, "cpu", [str(core) for core in cores], _cores_per_job(len(cores))))
     held = [cores[index] for index in claims[-1].devices]
