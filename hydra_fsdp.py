@@ -362,7 +362,9 @@ def _rank_launch(job: "_Job", hydra_job: dict) -> bool:
         HYDRA_FSDP_CONFIG=<config> PYTHONUNBUFFERED=1 \\
             python /path/to/hydra_fsdp.py <config>  < /dev/null  >> <job dir>/rank_<r>.log 2>&1
 
-    where ``<config>`` is ``<job dir>/rank_config.pickle`` (``_write_launch``), with the rest of rank
+    where ``<config>`` is ``<job dir>/rank_config.pickle`` (``_write_launch``); and, where the job claimed
+    them (``_placement``), ``HYDRA_FSDP_RANK_CORES=<the rank's cores>`` and ``OMP_NUM_THREADS=<its
+    threads>`` on the CPU, ``HYDRA_FSDP_JOB_GPUS=<the job's GPUs>`` on CUDA; with the rest of rank
     0's environment, in its working directory, ``MUSHIN_DDP_LAUNCH_DELAY`` seconds apart, forked by the
     sweep's fork server. Return whether they run the task function (else the fallback).
     """
@@ -741,16 +743,15 @@ def _gpu_inventory() -> dict:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     names = visible.split(",")[:count] if visible else [str(index) for index in range(count)]
     try:
-        return (
-            {int(index): names[int(index)] for index in allowed.split(",")}
-            if allowed
-            else dict(enumerate(names))
-        )
-    except (ValueError, IndexError):
-        raise RankLaunchError(
-            f"{_GPUS_ENV}={allowed!r}: expected the numbers of GPUs a sweep's jobs may use, comma-separated,"
-            f" each below the {count} torch sees here (e.g. {_GPUS_ENV}=0,1)."
-        ) from None
+        indexes = [int(index) for index in allowed.split(",")] if allowed else range(count)
+    except ValueError:
+        indexes = [-1]
+    if all(0 <= index < count for index in indexes):
+        return {index: names[index] for index in indexes}
+    raise RankLaunchError(
+        f"{_GPUS_ENV}={allowed!r}: expected the numbers of GPUs a sweep's jobs may use, comma-separated,"
+        f" each below the {count} torch sees here (e.g. {_GPUS_ENV}=0,1)."
+    )
 
 
 def _cores_per_job(cores: int) -> int:
@@ -767,7 +768,8 @@ def _cores_per_job(cores: int) -> int:
 
 
 def _pin(cores: Any) -> None:
-    """Run every thread of this process on ``cores``: a thread started earlier (torch's) keeps its own."""
+    """Run every thread of this process on ``cores``, those started earlier (torch's) too: setting the
+    process's own affinity would change only the calling thread's and those it starts later."""
     for thread in os.listdir("/proc/self/task"):
         with contextlib.suppress(OSError):  # a thread that just ended
             os.sched_setaffinity(int(thread), cores)

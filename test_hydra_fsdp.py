@@ -881,9 +881,10 @@ def test_the_gpus_a_sweep_may_claim_and_their_names_across_processes(tmp_path, m
     assert sorted(path.name for path in tmp_path.glob("*.lock")) == ["gpu5.lock", "gpu7.lock"]
     assert (tmp_path / "gpu5.lock").read_text() == f"{os.getpid()}\n"  # for a waiter to name
     claims.pop().release()
-    monkeypatch.setenv("HYDRA_FSDP_GPUS", "1,4")
-    with pytest.raises(RankLaunchError, match=r"HYDRA_FSDP_GPUS='1,4': .* below the 4 torch sees"):
-        hydra_fsdp._placement(cuda_spec(0, 1), claims)
+    for wrong in ("1,4", "-1,0", "a,b"):
+        monkeypatch.setenv("HYDRA_FSDP_GPUS", wrong)
+        with pytest.raises(RankLaunchError, match=rf"HYDRA_FSDP_GPUS='{wrong}': .* below the 4 torch sees"):
+            hydra_fsdp._placement(cuda_spec(0, 1), claims)
 
 
 def test_every_rank_of_a_job_runs_on_the_gpus_it_holds():

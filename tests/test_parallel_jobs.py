@@ -35,6 +35,7 @@ from helpers import (
     wait_all,
 )
 from shared import nothing_outlives
+from test_readme import blocks
 
 pytest.importorskip("hydra_plugins.hydra_joblib_launcher", reason="pip install hydra-joblib-launcher")
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install hydra-submitit-launcher")
@@ -72,6 +73,9 @@ def sweeps(tmp_path_factory):
         tmp = tmp_path_factory.mktemp(f"yaml-{launcher}")
         add(("yaml", launcher), yaml_project(tmp), *overrides, f"trainer.strategy._target_={SWEPT_TARGETS}",
             "model.lr=0.1", script="train.py")  # fmt: skip
+    readme = tmp_path_factory.mktemp("readme")  # the README's hydra-zen train.py: zen(train).hydra_main
+    (readme / "train.py").write_text(next(block for block in blocks("python") if "zen(train)" in block))
+    add("zen", readme, *JOBLIB, "trainer.max_epochs=1,2", script="train.py")
     # 4 jobs x 2 ranks, 2 jobs at once: each job's share of the cores (the YAML app: its classes are
     # in a module of its own, which a worker's Hydra can locate, unlike the sweep app's __main__.Tiny)
     add("cores", yaml_project(tmp_path_factory.mktemp("cores")), *JOBLIB, "test=false",
@@ -126,6 +130,18 @@ def test_plain_hydra_main_without_a_module_key_under_worker_launchers(sweeps, la
                 assert rank["world"] == 2 and rank["output_dir"] == str(job_dir) and rank["lr"] == 0.1
                 assert rank["strategy"] == f"hydra_fsdp.lightning.Hydra{strategy.upper()}"
             assert seen[0]["pid"] != seen[1]["pid"]
+
+
+def test_hydra_zen_under_joblib_runs_the_task_function_on_every_rank(sweeps):
+    """The README's train.py (zen(train).hydra_main, HydraFSDP, fit then test(best)) in joblib's
+    workers: the fallback would fail there (its config names the datamodule ``data``)."""
+    project, proc = sweeps["zen"]
+    ok(proc)
+    assert FALLBACK_WARNING not in proc.text()
+    assert proc.text().count("Restoring states from the checkpoint path at") == 2, proc.text()[-3000:]
+    for job in ("0", "1"):
+        log = (project / "sweep" / job / "rank_1.log").read_text()
+        assert "GLOBAL_RANK: 1" in log and "Traceback" not in log, log[-3000:]
 
 
 def job_window(job_dir):
