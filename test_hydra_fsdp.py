@@ -596,6 +596,9 @@ def test_fsdp2_without_a_gpu_on_a_torch_that_cannot_train_it_over_gloo_is_refuse
     hydra_fsdp.pytorch_lightning.HydraModelParallel(data_parallel_size=2)  # on a GPU, torch 2.4 does
 
 
+LAUNCHERS = ("hydra-joblib-launcher", "hydra-submitit-launcher")
+
+
 def test_the_floors_agree_in_pyproject_the_floor_stack_and_the_module():
     """pyproject.toml's floors are what .ci/floor.txt pins (CI runs them) and what the module checks."""
     root = Path(__file__).parent
@@ -605,7 +608,7 @@ def test_the_floors_agree_in_pyproject_the_floor_stack_and_the_module():
     }
     floor = (root / ".ci" / "floor.txt").read_text()
     pinned = {n: release(v) for n, v in re.findall(r"^([A-Za-z_-]+)==([\d.]+)", floor, re.MULTILINE)}
-    for name in ("torch", "pytorch-lightning", "lightning", "hydra-core", "hydra-zen", "pytest"):
+    for name in ("torch", "pytorch-lightning", "lightning", "hydra-core", "hydra-zen", "pytest") + LAUNCHERS:
         assert pinned[name][: len(declared[name])] == declared[name], name
     for name, minimum in hydra_fsdp._MINIMUM_VERSIONS.items():
         assert declared[name] == release(minimum)[: len(declared[name])], name

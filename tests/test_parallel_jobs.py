@@ -73,9 +73,10 @@ def sweeps(tmp_path_factory):
         tmp = tmp_path_factory.mktemp(f"yaml-{launcher}")
         add(("yaml", launcher), yaml_project(tmp), *overrides, f"trainer.strategy._target_={SWEPT_TARGETS}",
             "model.lr=0.1", script="train.py")  # fmt: skip
-    readme = tmp_path_factory.mktemp("readme")  # the README's hydra-zen train.py: zen(train).hydra_main
-    (readme / "train.py").write_text(next(block for block in blocks("python") if "zen(train)" in block))
-    add("zen", readme, *JOBLIB, "trainer.max_epochs=1,2", script="train.py")
+    if FSDP_ON_CPU:  # the README's hydra-zen train.py (zen(train).hydra_main, HydraFSDP)
+        readme = tmp_path_factory.mktemp("readme")
+        (readme / "train.py").write_text(next(block for block in blocks("python") if "zen(train)" in block))
+        add("zen", readme, *JOBLIB, "trainer.max_epochs=1,2", script="train.py")
     # 4 jobs x 2 ranks, 2 jobs at once: each job's share of the cores (the YAML app: its classes are
     # in a module of its own, which a worker's Hydra can locate, unlike the sweep app's __main__.Tiny)
     add("cores", yaml_project(tmp_path_factory.mktemp("cores")), *JOBLIB, "test=false",
@@ -132,6 +133,7 @@ def test_plain_hydra_main_without_a_module_key_under_worker_launchers(sweeps, la
             assert seen[0]["pid"] != seen[1]["pid"]
 
 
+@pytest.mark.fsdp_cpu
 def test_hydra_zen_under_joblib_runs_the_task_function_on_every_rank(sweeps):
     """The README's train.py (zen(train).hydra_main, HydraFSDP, fit then test(best)) in joblib's
     workers: the fallback would fail there (its config names the datamodule ``data``)."""
@@ -348,7 +350,3 @@ def test_gpu_jobs_at_once_with_one_gpu_each_run_one_after_the_other(tmp_path):
     windows = [job_window(project / "sweep" / str(job)) for job in (0, 1)]
     assert not overlap(*windows), windows
     assert "this job waits for 1 free gpus of 0" in proc.text()
-
-
-if not FSDP_ON_CPU:  # the sweeps above run HydraFSDP too
-    pytestmark = pytest.mark.skip(reason="HydraFSDP on the CPU needs Lightning >= 2.3")
