@@ -904,3 +904,19 @@ def test_a_worker_that_cannot_find_the_scripts_function_says_which(tmp_path, mon
     monkeypatch.setitem(sys.modules, "__main__", SimpleNamespace(__file__=str(tmp_path / "train.py")))
     with pytest.raises(RankLaunchError, match=r"cannot find main \(line 12\) in .*train.py"):
         hydra_fsdp._in_script(str(tmp_path / "train.py"), "main", 12)
+
+
+@pytest.mark.parametrize(
+    "launcher, share",
+    [
+        ({"_target_": "hydra._internal.core_plugins.basic_launcher.BasicLauncher"}, 16),  # one job at a time
+        ({"n_jobs": 4}, 4),  # joblib: 4 jobs at once
+        ({"n_jobs": 10}, 1),  # its default: at least one core a job
+        ({"n_jobs": -1}, 16 // os.cpu_count() or 1),  # as many jobs as CPUs, as joblib reads -1
+        ({"cpus_per_task": 3, "tasks_per_node": 1}, 3),  # submitit says it
+    ],
+)
+def test_a_cpu_jobs_share_of_the_cores_is_what_its_launcher_runs_at_once(monkeypatch, launcher, share):
+    config = hydra_fsdp.OmegaConf.create({"launcher": launcher})
+    monkeypatch.setattr(hydra_fsdp, "HydraConfig", SimpleNamespace(get=lambda: config))
+    assert hydra_fsdp._cores_per_job(16) == max(1, share)
