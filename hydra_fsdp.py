@@ -448,7 +448,12 @@ class _ForkServer:
                     on_failure = self.on_failure.pop(reply.get("exited"), None)
                     self.said.notify_all()
                 if reply.get("code") and on_failure is not None:
-                    on_failure()
+                    try:
+                        on_failure()
+                    except Exception:  # the reader must outlive it
+                        # Its end would mark the live server lost: its running children would read as
+                        # killed, and the next job would wait, unbounded, on a server that still runs.
+                        log.exception("hydra_fsdp: aborting the stage of a failed child rank failed")
         finally:  # the server ended, or its replies did: no wait may outlast it
             with self.said:
                 self.lost = True
@@ -484,11 +489,21 @@ class _ForkServer:
         return _ForkedChild(self, pid)
 
     def close(self) -> None:
-        """Close the server's stdin: it ends, and with it any child still running."""
+        """Close the server's stdin: it ends, and with it any child still running. The server reaps
+        each child it kills, and a child the kernel holds (uninterruptible sleep) would keep it, and so
+        the sweep's end, waiting: after ``_KILL_WAIT`` s the server is killed, the child left behind."""
         atexit.unregister(self.close)
         if self.proc.poll() is None:
             self.proc.stdin.close()
-            self.proc.wait()
+            try:
+                self.proc.wait(_KILL_WAIT)
+            except subprocess.TimeoutExpired:
+                log.warning(
+                    f"hydra_fsdp: the fork server (pid {self.proc.pid}) did not end {_KILL_WAIT:g} s after"
+                    " the sweep's end (a child rank it waits for is stuck in the kernel?): it was killed."
+                )
+                self.proc.kill()
+                self.proc.wait()
 
 
 class _ForkedChild:

@@ -920,3 +920,51 @@ def test_a_cpu_jobs_share_of_the_cores_is_what_its_launcher_runs_at_once(monkeyp
     config = hydra_fsdp.OmegaConf.create({"launcher": launcher})
     monkeypatch.setattr(hydra_fsdp, "HydraConfig", SimpleNamespace(get=lambda: config))
     assert hydra_fsdp._cores_per_job(16) == max(1, share)
+
+
+# --------------------------------------------------------------------------- the fork server's own bounds
+
+
+def stand_in_server(proc):
+    """A _ForkServer around ``proc`` without a Hydra job: its reader and close are what is tested."""
+    server = hydra_fsdp._ForkServer.__new__(hydra_fsdp._ForkServer)
+    server.proc, server.said, server.started, server.exit_codes = proc, threading.Condition(), [], {}
+    server.on_failure, server.lost = {}, False
+    return server
+
+
+def test_a_failed_childs_callback_that_raises_leaves_the_reader_reading(caplog):
+    """Its end would mark the live server lost: its running children read as killed, and the next job's
+    start would wait, unbounded, on the live server."""
+    read_end, write_end = os.pipe()
+    server = stand_in_server(SimpleNamespace(stdout=os.fdopen(read_end, "rb")))
+    later = mock.Mock()
+    server.on_failure = {11: mock.Mock(side_effect=RuntimeError("the abort failed")), 12: later}
+    reader = threading.Thread(target=server._read_replies, daemon=True)
+    reader.start()
+    os.write(write_end, b'{"exited": 11, "code": 1}\n{"exited": 12, "code": 1}\n')
+    with server.said:
+        server.said.wait_for(lambda: 12 in server.exit_codes or server.lost, timeout=5)
+    assert 12 in server.exit_codes and not server.lost, "the reader ended with the callback's error"
+    later.assert_called_once_with()
+    assert "the abort failed" in caplog.text
+    os.close(write_end)
+    reader.join(timeout=5)
+    assert server.lost  # its replies ended: now it is
+
+
+def test_closing_a_server_stuck_on_a_child_is_bounded(monkeypatch):
+    """The server reaps its children before it exits; one the kernel holds would hold the sweep's end."""
+    monkeypatch.setattr(hydra_fsdp, "_KILL_WAIT", 0.5)
+    stuck = "import sys, time; sys.stdin.read(); time.sleep(60)"  # stdin closed, it still does not exit
+    server = stand_in_server(subprocess.Popen([sys.executable, "-c", stuck], stdin=subprocess.PIPE))
+    started = time.monotonic()
+    try:
+        closing = threading.Thread(target=server.close, daemon=True)
+        closing.start()
+        closing.join(timeout=10)
+        assert not closing.is_alive(), "close() still waits on the server"
+        assert server.proc.poll() is not None and time.monotonic() - started < 5
+    finally:
+        server.proc.kill()
+        server.proc.wait()
