@@ -1,4 +1,4 @@
-"""A Hydra sweep of 2 jobs x 2 ranks with HydraFSDP (or HydraDDP, HydraModelParallel), configured with hydra-zen.
+"""A Hydra sweep of 2 jobs x 2 ranks with HydraFSDP (or HydraDDP, HydraModelParallel), made with hydra-zen.
 
     python example_sweep.py -m                                   # HydraFSDP, module.lr=0.01,0.05
     python example_sweep.py -m trainer/strategy=ddp              # the same sweep with HydraDDP

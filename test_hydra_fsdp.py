@@ -389,7 +389,8 @@ for name in ("HydraDDP", "HydraFSDP") if {FSDP_ON_CPU} else ("HydraDDP",):
     copy = pickle.loads(pickle.dumps(strategy))
     print(type(strategy).__qualname__, isinstance(strategy, getattr(hydra_fsdp, name)),
           type(copy) is type(strategy), copy.rank_timeout)
-print(isinstance(hydra_fsdp.HydraFSDP() if {FSDP_ON_CPU} else object(), hydra_fsdp.HydraDDP), sorted(m for m in ("lightning", "pytorch_lightning") if m in sys.modules))
+print(isinstance(hydra_fsdp.HydraFSDP() if {FSDP_ON_CPU} else object(), hydra_fsdp.HydraDDP),
+      sorted(m for m in ("lightning", "pytorch_lightning") if m in sys.modules))
 """)
     fsdp = [f"{namespace}.HydraFSDP", "True", "True", "5"] if FSDP_ON_CPU else []
     assert out == [f"{namespace}.HydraDDP", "True", "True", "5", *fsdp,

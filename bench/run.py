@@ -581,8 +581,8 @@ def startup_table(results) -> list:
     out = [
         (
             "**Child-rank start-up** (seconds from the process's spawn, /proc/<pid>/stat starttime, to the"
-            " event; median over ranks and repeats; ratios: per-repeat median / the floors measured in the same"
-            " repeat, interleaved with the sweeps: `import torch, pytorch_lightning`, and the same plus"
+            " event; median over ranks and repeats; ratios: per-repeat median / the floors measured in the"
+            " same repeat, interleaved with the sweeps: `import torch, pytorch_lightning`, and the same plus"
             " `hydra_zen, hydra_fsdp`, which a HydraDDP child must import too)"
         ),
         "",
@@ -722,9 +722,9 @@ def memory_rows(results, depths: list) -> tuple:
     out = [
         (
             f"**HydraFSDP vs HydraDDP, 2 ranks, Adam** (CPU/gloo, one job, {MEM_STEPS} steps of batch"
-            f" {MEM_BATCH}; FSDP auto-wrapped per Linear; per rank = the larger of the 2 ranks; peak = VmHWM at"
-            " the end of fit; baseline = the rank's RSS before its model was built; ratios: median (range) of"
-            " per-repeat ratios)"
+            f" {MEM_BATCH}; FSDP auto-wrapped per Linear; per rank = the larger of the 2 ranks; peak = VmHWM"
+            " at the end of fit; baseline = the rank's RSS before its model was built; ratios: median (range)"
+            " of per-repeat ratios)"
         ),
         "",
     ]
@@ -764,7 +764,8 @@ def header(args, started: float, load_start: tuple, elapsed: float) -> list:
         (
             f"- **Libraries**: Python {platform.python_version()}, torch {version('torch')},"
             f" pytorch-lightning {version('pytorch-lightning')}, hydra-core {version('hydra-core')},"
-            f" hydra-zen {version('hydra-zen')}; hydra_fsdp.py at {commit}{' with local changes' if dirty else ''}"
+            f" hydra-zen {version('hydra-zen')}; hydra_fsdp.py at {commit}"
+            f"{' with local changes' if dirty else ''}"
         ),
         (
             f"- **Run**: `{command}`, {args.repeats} repeat(s)"

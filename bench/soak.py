@@ -131,7 +131,8 @@ def main():
             if aborted or hung or any(codes):
                 print("\n".join(text.splitlines()[-40:]), file=sys.stderr)
     print(
-        "| configuration | runs (jobs) | hangs | non-zero exits | aborts (SIGABRT at exit) | median s a run | max s |"
+        "| configuration | runs (jobs) | hangs | non-zero exits | aborts (SIGABRT at exit) | median s a run"
+        " | max s |"
     )
     print("|---|---|---|---|---|---|---|")
     for name, rows in results.items():

@@ -26,8 +26,9 @@ LIGHTNING = version("pytorch-lightning")
 
 
 def builds_here(strategy):
-    """Whether hydra_fsdp builds ``strategy`` on these releases, this machine (it refuses, naming what it needs,
-    e.g. HydraFSDP without a GPU on Lightning < 2.3, HydraModelParallel without one on torch < 2.10)."""
+    """Whether hydra_fsdp builds ``strategy`` on these releases, this machine (it refuses, naming what it
+    needs, e.g. HydraFSDP without a GPU on Lightning < 2.3, HydraModelParallel without one on torch
+    < 2.10)."""
     try:
         _check_versions(pytorch_lightning, strategy)
     except ImportError:
@@ -40,7 +41,10 @@ FSDP_ON_CPU_REASON = (
     f"Lightning {LIGHTNING} refuses FSDP without a GPU (HydraFSDP refuses to be built: tested)"
 )
 MODEL_PARALLEL = builds_here("HydraModelParallel")
-MODEL_PARALLEL_REASON = f"Lightning {LIGHTNING}, torch {torch.__version__}: no FSDP2 here (HydraModelParallel refuses to be built: tested)"
+MODEL_PARALLEL_REASON = (
+    f"Lightning {LIGHTNING}, torch {torch.__version__}: no FSDP2 here (HydraModelParallel refuses to be"
+    " built: tested)"
+)
 SWEEP_TIMEOUT = 240  # seconds; a 2-job sweep takes about 10 s on 2 cores
 FAULT_BOUND = 60  # seconds within which a failed job must have ended and left nothing running
 
@@ -198,7 +202,10 @@ def start_sweep(app_dir, *overrides, script="app.py", strategy="ddp", env=None, 
     return Run(command, app_dir, app_env(strategy, env))
 
 
-IGNORING_SIGINT = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); os.execv(sys.argv[1], sys.argv[1:])"
+IGNORING_SIGINT = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN);"
+    " os.execv(sys.argv[1], sys.argv[1:])"
+)
 
 
 def records(job_dir, stage="fit"):

@@ -67,8 +67,9 @@ def checkpoint_sums(paths):
     sharded = sorted(str(path) for path in paths if path.is_dir() and not files[str(path)].exists())
     unread = sorted({str(file) for file in files.values()} - set(SUMS))
     if unread:
-        proc = subprocess.run([sys.executable, "-c", READ, json.dumps([sharded, unread])], cwd=project_of(unread[0]),
-                              env=app_env(env=TRUSTED), capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+        proc = subprocess.run([sys.executable, "-c", READ, json.dumps([sharded, unread])],
+                              cwd=project_of(unread[0]), env=app_env(env=TRUSTED), capture_output=True,
+                              text=True, timeout=120, check=False)  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-5000:]
         SUMS.update(json.loads(proc.stdout.splitlines()[-1]))
     return {path: SUMS[str(file)] for path, file in files.items()}
@@ -170,8 +171,8 @@ def resumed(project):
             "ckpt_path": str(checkpoint(project, written_by, model)),
         }
     with nothing_outlives("the sweep of resumed fits"):
-        ok(script(project, "train", "hydra.sweep.dir=resumed", *case_overrides(project / "resume_cases", cases),
-                  multirun=True))  # fmt: skip
+        ok(script(project, "train", "hydra.sweep.dir=resumed",
+                  *case_overrides(project / "resume_cases", cases), multirun=True))  # fmt: skip
     return {case: project / "resumed" / case for case in cases}
 
 
@@ -208,8 +209,8 @@ STAGED = ("fsdp", "fsdp_sharded")
 def staged(project):
     """One sweep of the template's stages.py, a job for each trainer of STAGED."""
     with nothing_outlives("the sweep of stages.py"):
-        proc = ok(script(project, "stages", "hydra.sweep.dir=stages", f"trainer={','.join(STAGED)}", "model=net",
-                         KEEP_ALL, "trainer.max_epochs=3", multirun=True))  # fmt: skip
+        proc = ok(script(project, "stages", "hydra.sweep.dir=stages", f"trainer={','.join(STAGED)}",
+                         "model=net", KEEP_ALL, "trainer.max_epochs=3", multirun=True))  # fmt: skip
     checkpoint_sums(project.glob("stages/*/checkpoints/*.ckpt"))
     return {trainer: project / "stages" / str(job) for job, trainer in enumerate(STAGED)}, proc
 
@@ -306,8 +307,8 @@ def test_stock_ddp_loads_what_hydra_fsdp_wrote(project):
         source = checkpoint(project, trainer, "net")
         sources[trainer] = consolidated(source) if source.is_dir() else source
     runs = scripts_at_once(project, {  # the two runs side by side
-        trainer: ("eval", [f"hydra.run.dir=stock_ddp_of_{trainer}", "trainer=ddp", "trainer.strategy=ddp", "model=net",
-                           f"ckpt_path={source}"], TRUSTED)
+        trainer: ("eval", [f"hydra.run.dir=stock_ddp_of_{trainer}", "trainer=ddp", "trainer.strategy=ddp",
+                           "model=net", f"ckpt_path={source}"], TRUSTED)
         for trainer, source in sources.items()
     })  # fmt: skip
     for trainer, source in sources.items():
@@ -326,9 +327,11 @@ found = {}
 for path in sys.argv[1:]:
     checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     net = checkpoint["hyper_parameters"].get("net")
-    module = (NetLitModule if net is not None else TinyLitModule).load_from_checkpoint(path, map_location="cpu")
+    lit_module = NetLitModule if net is not None else TinyLitModule
+    module = lit_module.load_from_checkpoint(path, map_location="cpu")
+    state_dict = checkpoint["state_dict"]
     found[path] = {
-        "state_dict": {name: tensor.double().sum().item() for name, tensor in checkpoint["state_dict"].items()},
+        "state_dict": {name: tensor.double().sum().item() for name, tensor in state_dict.items()},
         "loaded": {name: tensor.double().sum().item() for name, tensor in module.state_dict().items()},
         "pickled_net": None if net is None else
             {name: [list(p.shape), p.double().sum().item()] for name, p in net.state_dict().items()},
@@ -347,7 +350,8 @@ def test_load_from_checkpoint_and_torch_load_outside_a_trainer(project):
     }
     models[str(consolidated(checkpoint(project, "fsdp_sharded", "net")))] = "net"
     proc = subprocess.run([sys.executable, "-c", OUTSIDE_A_TRAINER, *models], cwd=project,
-                          env=app_env(env=TRUSTED), capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+                          env=app_env(env=TRUSTED), capture_output=True, text=True, timeout=120,
+                          check=False)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     found = json.loads(proc.stdout.splitlines()[-1])
     assert sorted(found) == sorted(models)

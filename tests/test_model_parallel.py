@@ -63,7 +63,8 @@ def test_each_rank_holds_its_shard_and_fit_test_best_resume_last_run_on_one_set_
 
 
 def test_tensor_parallel_and_the_default_mesh_warning(app):
-    # job 0: the default mesh (data_parallel=1 x tensor_parallel=2), warned of; job 1: tensor_parallel_size=2 set
+    # job 0: the default mesh (data_parallel=1 x tensor_parallel=2), warned of;
+    # job 1: tensor_parallel_size=2 set
     ok(
         sweep(
             app, "+trainer.strategy.data_parallel_size=auto", "+trainer.strategy.tensor_parallel_size=auto,2"

@@ -87,7 +87,8 @@ def submitit_logs(app, lines=25):
 
 def failure_report(proc, app, cluster):
     return (
-        f"sweep exited {proc.returncode} after {proc.seconds:.0f} s\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+        f"sweep exited {proc.returncode} after {proc.seconds:.0f} s\n{proc.stdout[-2000:]}\n"
+        f"{proc.stderr[-4000:]}"
         f"\n{submitit_logs(app)}\n{cluster.logs(15)}"
     )
 
@@ -126,9 +127,9 @@ def slurm_sweep():
     def sweep(app, cluster):
         if not swept:
             env = {**cluster.env, "HYDRA_FSDP_CLAIMS": str(app / "claims")}  # SLURM assigns the devices
-            proc = sweep_in(app, *launcher(cluster), *APP_UNDER_SUBMITIT, f"trainer.strategy._target_={SWEPT_TARGETS}",
-                            f"module.lr={SWEPT_LR_VALUES}", env=env,
-                            timeout=SLURM_SWEEP_TIMEOUT * len(SWEPT))  # fmt: skip
+            proc = sweep_in(app, *launcher(cluster), *APP_UNDER_SUBMITIT,
+                            f"trainer.strategy._target_={SWEPT_TARGETS}", f"module.lr={SWEPT_LR_VALUES}",
+                            env=env, timeout=SLURM_SWEEP_TIMEOUT * len(SWEPT))  # fmt: skip
             assert proc.returncode == 0, failure_report(proc, app, cluster)
             swept.append((app, proc))
         return swept[0]

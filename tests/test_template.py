@@ -88,7 +88,8 @@ def test_template_train_py_sweep(template_sweep, trainer):
         assert [row["test/loss"] for row in rows if row.get("test/loss")], rows
         assert not (job_dir / "csv" / "version_1").exists()
     print(
-        f"template train.py, {SWEPT_JOBS + len(README_JOBS) + len(MODEL_PARALLEL_JOBS)} jobs x 2 ranks: {proc.seconds:.1f} s"
+        f"template train.py, {SWEPT_JOBS + len(README_JOBS) + len(MODEL_PARALLEL_JOBS)} jobs x 2 ranks:"
+        f" {proc.seconds:.1f} s"
     )
 
 

@@ -10,8 +10,9 @@ how many DeviceMeshes are alive.
 The model holds 2 x Linear(1600, 1600), 20.5 MB, trained with SGD with momentum, fit then
 test(ckpt_path="best") with a checkpoint of the best epoch. ``plan`` says, per job number, the
 strategy (HydraDDP, HydraFSDP and its checkpoint layout, or HydraModelParallel: fsdp2), whether the job
-fails and whether the task function returns the module: "<ddp|full|sharded|fsdp2>[:fail<rank>|:oom<rank>][:return]" (the
-failing rank raises in its second training step: a ValueError, or CUDA's out-of-memory error). On a GPU memory_rank0.json also holds
+fails and whether the task function returns the module:
+"<ddp|full|sharded|fsdp2>[:fail<rank>|:oom<rank>][:return]" (the failing rank raises in its second
+training step: a ValueError, or CUDA's out-of-memory error). On a GPU memory_rank0.json also holds
 ``torch.cuda.memory_allocated()`` before and after the gc, and ``memory_reserved()``. Each
 rank writes <job dir>/env_rank<N>.json, NCCL's error handling variables as it trains, and rank 0
 <job dir>/done.json once the task function's stages are done. APP_CLOSURE makes the task

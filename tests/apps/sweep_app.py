@@ -292,8 +292,8 @@ Config = make_config(
     datamodule=builds(Shapes),
     stages=["fit"],
     use_datamodule=False,
-    rank0_callback=False,
-    loaders_in_call=False,  # pass the dataloaders straight to trainer.fit/validate/...  # rank 0 alone gets an extra callback: ranks that would deadlock
+    rank0_callback=False,  # rank 0 alone gets an extra callback: ranks that would deadlock
+    loaders_in_call=False,  # pass the dataloaders straight to trainer.fit/validate/...
     # for trainer.callbacks=[${keep_last}]: lets a stage load ckpt_path="last"
     keep_last=builds(pl.callbacks.ModelCheckpoint, save_last=True),
 )

@@ -53,12 +53,13 @@ class TinyModel(L.LightningModule):
         self._record("test")
 
     def _record(self, stage):
+        strategy = type(self.trainer.strategy)
         seen = {
             "rank": self.global_rank,
             "world": self.trainer.world_size,
             "lr": self.lr,
             "output_dir": HydraConfig.get().runtime.output_dir,
-            "strategy": f"{type(self.trainer.strategy).__module__}.{type(self.trainer.strategy).__qualname__}",
+            "strategy": f"{strategy.__module__}.{strategy.__qualname__}",
             "trainer": type(self.trainer).__module__,
             "datamodule": type(self.trainer.datamodule).__name__,
             "pid": os.getpid(),
