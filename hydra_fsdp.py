@@ -3,17 +3,33 @@
 # that of the hydra_fsdp repository this copy was taken from (its README and tests live there).
 """Lightning's DDP, FSDP and FSDP2 strategies that work under Hydra, ``--multirun`` sweeps included.
 
-``HydraDDP``, ``HydraFSDP``, ``HydraModelParallel`` start every child rank of a Hydra job from the job's
-own config, as rank 0's task function received it (pickled, types included), and run the job's own task
-function on it, instead of re-running ``sys.argv`` (the whole sweep) as Lightning does. Each job runs on
-devices no other running job holds (GPUs, or on the CPU cores of its own), so that jobs run at once
-(Hydra's joblib and submitit_local launchers) never share one. Sections follow a job: what rank 0 reads,
-what a child runs, the fork server that starts children, the devices a job holds, rank 0's sweep
-(``_Sweep``, what lasts from job to job) and job, the check that every rank runs the same thing, the
-strategies, and a child rank's own start.
+``HydraDDP``, ``HydraFSDP`` and ``HydraModelParallel`` start every child rank of a Hydra job from that
+job's own config, as rank 0's task function received it (pickled, so types survive), and run the job's
+own task function on it. Lightning's own launcher re-runs ``sys.argv`` instead, which under
+``--multirun`` is the whole sweep. Each job also runs on devices that no other running job holds (GPUs,
+or on the CPU cores of its own), so that jobs run at once by Hydra's joblib and submitit_local launchers
+never share one.
 
-Private names of torch, Lightning and Hydra are used only where no public API does the job, each
-guarded where it is used: a change upstream raises ``RankLaunchError`` naming it (``_upstream_changed``).
+The sections follow one job, from rank 0's first look at it to a child rank's start:
+
+1. *What rank 0 reads*: the running Hydra job (its task function and config) and the settings.
+2. *What rank 0 gives a child: the launch file*: the task function and config pickled by reference,
+   and ``_rank_launch``, which builds each child's command and environment.
+3. *The fork server*: one process per sweep that imports torch and Lightning once and forks every
+   child rank from it, with the child's side of a fork.
+4. *The devices a job holds*: claims on GPUs and CPU cores that no other running job holds.
+5. *Rank 0's sweep and job*: what lasts from job to job (``_Sweep``), a job's child ranks and their
+   failures, the job itself (``_Job``); then a job's teardown (process groups), the memory freed
+   between jobs, and the launcher that Lightning calls (``_HydraRankLauncher``).
+6. *Every rank agrees*: the check, before each stage, that all ranks are about to run the same thing.
+7. *The strategies*: the version checks, what every strategy adds, HydraFSDP's and
+   HydraModelParallel's own parts, and the public classes of both Lightning namespaces.
+8. *A child rank*: how a child rank runs the job, forked or started by hand (``python hydra_fsdp.py
+   <launch file>``).
+
+Private names of torch, Lightning and Hydra are used only where no public API does the job, and each is
+guarded where it is used: a change upstream raises ``RankLaunchError`` naming it (``_upstream_changed``)
+instead of hanging a job.
 """
 
 __version__ = "0.2.0"
@@ -104,6 +120,8 @@ _WHERE_CLASSES_GO = (
     "Define the config's dataclasses and Enums at the top level of a module, or of the launching script"
     ' outside its `if __name__ == "__main__":` block, which a child rank imports without running it.'
 )
+# In a child rank hydra_fsdp started, the job it runs: its task function and config (see _hydra_job).
+_child_job: dict | None = None
 # The releases CI ran.
 _KNOWN_TO_WORK = "torch 2.3 to 2.15, Lightning 2.2 to 2.6, hydra-core 1.3.0 to 1.3.8"
 
@@ -143,17 +161,20 @@ def _launch_delay() -> float:
 
 
 def _hydra_job() -> dict | None:
-    """The locals of Hydra's ``run_job`` (rank 0, torchrun, SLURM) or ``_run_child_rank``, or None."""
+    """The running Hydra job, or None outside one. In a child rank hydra_fsdp started, the job that
+    ``_run_child_rank`` runs (``_child_job``). Elsewhere (rank 0, and every rank under torchrun or SLURM,
+    where Hydra runs the task function itself) the local variables of Hydra's ``run_job``, found on the
+    stack: Hydra has no public way to name the running task function and its config."""
+    if _child_job is not None:
+        return _child_job
     from hydra.core.utils import run_job
 
     frame = inspect.currentframe()
-    while frame is not None and frame.f_code not in (run_job.__code__, _run_child_rank.__code__):
+    while frame is not None and frame.f_code is not run_job.__code__:
         frame = frame.f_back
     if frame is None:
         return None
-    needed = {"task_function", "task_cfg"} | (
-        {"config", "hydra_context", "ret"} if frame.f_code is run_job.__code__ else set()
-    )
+    needed = {"task_function", "task_cfg", "config", "hydra_context", "ret"}
     if not needed <= set(frame.f_locals):  # Python 3.13: a proxy, whose keys() is a list
         raise _upstream_changed(
             f"the local variables of hydra.core.utils.run_job {sorted(needed)}", "find the running job"
@@ -171,27 +192,39 @@ def _job_config(hydra_job: dict) -> DictConfig:
     return task_cfg
 
 
-def _resolved_where_possible(config: Any, typed: bool = False) -> Any:
-    """Every value of ``config`` resolved, for a child to read back literally (``???`` kept as written),
-    caching each ``${now:...}`` in its root; ``typed``: each value's and node's (under ``""``) type."""
+def _resolved_where_possible(config: Any) -> Any:
+    """Every value of ``config`` resolved, for a child to read back literally; a value that cannot be
+    resolved (``???``, an interpolation of a missing key) is kept as written. Resolving also caches each
+    ``${now:...}`` in the config's root, so that rank 0 reads the same time whenever it looks again."""
+    if OmegaConf.is_config(config):
+        values = _each_value(config, _resolved_where_possible)
+        return values if isinstance(config, DictConfig) else list(values.values())
+    value = config.name if isinstance(config, Enum) else config
+    if isinstance(value, str):  # escaped, for OmegaConf to read it back literally
+        return re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", value)
+    return value
+
+
+def _types_of(config: Any) -> Any:
+    """The type of every value of ``config`` by name, and of every node under the key ``""``: the ranks
+    compare them, since configs of equal values can differ in type (an Enum against its name)."""
     if not OmegaConf.is_config(config):
-        if typed:
-            return type(config).__qualname__
-        value = config.name if isinstance(config, Enum) else config
-        if isinstance(value, str):  # escaped, for OmegaConf to read it back literally
-            return re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", value)
-        return value
-    is_dict = isinstance(config, DictConfig)
-    resolved: Any = {"": getattr(OmegaConf.get_type(config), "__qualname__", None)} if typed else {}
-    resolved = resolved if is_dict or typed else [None] * len(config)
+        return type(config).__qualname__
+    return {"": getattr(OmegaConf.get_type(config), "__qualname__", None), **_each_value(config, _types_of)}
+
+
+def _each_value(config: Any, value_of: Callable) -> dict:
+    """``value_of`` each value of a DictConfig or ListConfig, by key or index; where a value cannot be
+    read, the value as written."""
+    values: dict = {}
     as_written = None
-    for key in config.keys() if is_dict else range(len(config)):
+    for key in config.keys() if isinstance(config, DictConfig) else range(len(config)):
         try:
-            resolved[key] = _resolved_where_possible(config[key], typed)
+            values[key] = value_of(config[key])
         except OmegaConfBaseException:
             as_written = as_written or OmegaConf.to_container(config, resolve=False)
-            resolved[key] = as_written[key]
-    return resolved
+            values[key] = as_written[key]
+    return values
 
 
 def _launching_script() -> dict:
@@ -207,29 +240,38 @@ def _launching_script() -> dict:
     return {}  # an interactive session or a package's __main__: nothing safe to re-import
 
 
-# -------------------- what a child runs
+# -------------------- what rank 0 gives a child: the launch file
 
 
 class _ByReference(pickle.Pickler):
-    """Pickle a task function, a config's classes, by reference, as multiprocessing's spawn does. A
-    ``@hydra.main`` function is pickled as "``__wrapped__``, n times, of the module's ``main``", a dataclass
-    made at run time (hydra-zen's: module ``types``) as its fields. ``named``: by module, a name pickled."""
+    """Pickle a task function and a config's classes by reference (module and name), as multiprocessing's
+    spawn does, with three exceptions a child could not import otherwise:
+
+    - a function under decorators (``@hydra.main`` wraps the user's ``main``) is pickled as "the function
+      n ``__wrapped__`` levels under the module's ``main``", since only the outermost has the name;
+    - a copy of a function or class of the launching script, which a worker of joblib or submitit received
+      by value (its ``__main__`` is the launcher's), is pickled as "the one at this line of that script";
+    - a dataclass made at run time (hydra-zen's ``builds``, whose module is ``types``) as its fields.
+
+    ``main_names`` records, by module, one name pickled from it, so that a ``__main__`` one can be named in
+    the error when there is no script for a child to import.
+    """
 
     def __init__(self, file: io.BytesIO, script: str | None = None) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.named: dict = {}
+        self.main_names: dict = {}
         self.script = script  # the launching script, where this process's __main__ is not it (a worker)
 
     def reducer_override(self, obj: Any) -> Any:
         if not isinstance(obj, (types.FunctionType, type)):
             return NotImplemented
-        self.named.setdefault(obj.__module__, obj.__qualname__)
-        named, wrappers = _attribute(obj.__module__, obj.__qualname__), 0
-        while named is not None and named is not obj:
-            named, wrappers = getattr(named, "__wrapped__", None), wrappers + 1
-        if named is obj and wrappers:
+        self.main_names.setdefault(obj.__module__, obj.__qualname__)
+        found, wrappers = _attribute(obj.__module__, obj.__qualname__), 0
+        while found is not None and found is not obj:
+            found, wrappers = getattr(found, "__wrapped__", None), wrappers + 1
+        if found is obj and wrappers:
             return _unwrapped, (_attribute(obj.__module__, obj.__qualname__), wrappers)
-        if named is None and obj.__module__ == "__main__" and "<" not in obj.__qualname__:
+        if found is None and obj.__module__ == "__main__" and "<" not in obj.__qualname__:
             # A copy of something the launching script defines, pickled by value (cloudpickle) into a worker
             # (joblib's, submitit's) whose __main__ is the launcher's: a child finds it in the script itself.
             # cloudpickle keeps a function's line and its module's __file__, not its code's file name.
@@ -239,7 +281,7 @@ class _ByReference(pickle.Pickler):
             if self.script is not None:
                 line = obj.__code__.co_firstlineno if isinstance(obj, types.FunctionType) else None
                 return _in_script, (self.script, obj.__qualname__, line)
-        if named is None and obj.__module__ == "types" and dataclasses.is_dataclass(obj):
+        if found is None and obj.__module__ == "types" and dataclasses.is_dataclass(obj):
             fields = [
                 (f.name, f.type) + (() if f.default is dataclasses.MISSING else (f.default,))
                 for f in dataclasses.fields(obj)
@@ -307,11 +349,11 @@ def _pickled(value: Any, what: str, script: str | None = None) -> _Pickled:
         pickler.dump(value)
     except Exception as error:  # noqa: BLE001 - PicklingError, or what an object's own __reduce__ raises
         return _Pickled(None, f"{what} cannot be pickled by reference: {error}")
-    if "__main__" in pickler.named and not (pickler.script or _launching_script()):
+    if "__main__" in pickler.main_names and not (pickler.script or _launching_script()):
         return _Pickled(
             None,
-            f"{what} needs __main__.{pickler.named['__main__']}, of an interactive session's __main__, which"
-            " a child rank cannot import",
+            f"{what} needs __main__.{pickler.main_names['__main__']}, of an interactive session's"
+            " __main__, which a child rank cannot import",
         )
     return _Pickled(buffer.getvalue(), script=pickler.script)
 
@@ -359,14 +401,19 @@ def _rank_launch(job: "_Job", hydra_job: dict) -> bool:
     """Start child ranks 1..N-1 of the running Hydra job into ``job.children``, each as::
 
         LOCAL_RANK=<r> NODE_RANK=0 WORLD_SIZE=<N> MASTER_ADDR=<address> MASTER_PORT=<port> \\
-        HYDRA_FSDP_CONFIG=<config> PYTHONUNBUFFERED=1 \\
-            python /path/to/hydra_fsdp.py <config>  < /dev/null  >> <job dir>/rank_<r>.log 2>&1
+        HYDRA_FSDP_CONFIG=<launch file> PYTHONUNBUFFERED=1 \\
+            python /path/to/hydra_fsdp.py <launch file>  < /dev/null  >> <job dir>/rank_<r>.log 2>&1
 
-    where ``<config>`` is ``<job dir>/rank_config.pickle`` (``_write_launch``); and, where the job claimed
-    them (``_placement``), ``HYDRA_FSDP_RANK_CORES=<the rank's cores>`` and ``OMP_NUM_THREADS=<its
-    threads>`` on the CPU, ``HYDRA_FSDP_JOB_GPUS=<the job's GPUs>`` on CUDA; with the rest of rank
-    0's environment, in its working directory, ``MUSHIN_DDP_LAUNCH_DELAY`` seconds apart, forked by the
-    sweep's fork server. Return whether they run the task function (else the fallback).
+    where ``<launch file>`` is ``<job dir>/rank_config.pickle`` (``_write_launch``); and, where the job
+    claimed them (``_placement``), ``HYDRA_FSDP_RANK_CORES=<the rank's cores>`` and ``OMP_NUM_THREADS=<its
+    threads>`` on the CPU, ``HYDRA_FSDP_JOB_GPUS=<the job's GPUs>`` on CUDA; with the rest of rank 0's
+    environment, in its working directory, ``MUSHIN_DDP_LAUNCH_DELAY`` seconds apart. Return whether the
+    children run the task function (else the fallback: the config contract).
+
+    That command is a real one: run by hand, with that environment, while rank 0 waits for its children,
+    it joins the job as a forked child would (``__main__`` at the end of this file). The sweep's fork server
+    runs the same thing in a fork of itself instead, which is up in milliseconds where a new interpreter
+    takes seconds to import torch and Lightning.
     """
     spec, config_path = job.spec, job.children.job_dir / _LAUNCH_FILE
     delay = _launch_delay()
@@ -594,15 +641,16 @@ def _run_forked(request: dict, lightning: str, replies: int, sigint: Any) -> Non
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
-        # What a fresh process reads at start-up, read again in the job's environment.
+        # What a new process reads at its start, read again in the job's environment: Lightning's rank
+        # and the threads. And the random seeds: numpy and torch seed once per process, so that every fork
+        # would draw the server's numbers (Python's random reseeds itself in a fork).
         _set_rank_zero_only(lightning, int(os.environ["LOCAL_RANK"]))
-        if _RANK_CORES_ENV in os.environ:
-            os.sched_setaffinity(0, map(int, os.environ[_RANK_CORES_ENV].split(",")))
         if "OMP_NUM_THREADS" in os.environ:
             torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-        if "numpy" in sys.modules:  # else every fork draws the server's numbers
+        torch.seed()
+        if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed()
-        _run_child_rank(request["command"][-1])
+        _run_child_rank(request["command"][-1])  # what the command runs, without a new interpreter
     except BaseException:  # noqa: BLE001 - whatever it is, its traceback goes to the child's log
         traceback.print_exc()
     os._exit(1)
@@ -1500,7 +1548,7 @@ def _what_this_rank_runs(strategy: "_HydraStrategy") -> dict:
         if HydraConfig.initialized()
         else None,
         "config": None if hydra_job is None else _resolved_where_possible(hydra_job["task_cfg"]),
-        "config types": None if hydra_job is None else _resolved_where_possible(hydra_job["task_cfg"], True),
+        "config types": None if hydra_job is None else _types_of(hydra_job["task_cfg"]),
     }
 
 
@@ -1964,7 +2012,11 @@ def __getattr__(name: str) -> Any:
 
 
 def _run_child_rank(config_path: str) -> None:
-    """Run one child rank: the job's task function on the job's config, as rank 0 runs it."""
+    """Run one child rank: the job's task function on the job's config, as rank 0 runs it. A fork of the
+    fork server calls it, and so does ``python hydra_fsdp.py <launch file>`` (``__main__``)."""
+    global _child_job
+    if _RANK_CORES_ENV in os.environ:  # the rank's share of its job's cores (_placement), before any thread
+        os.sched_setaffinity(0, map(int, os.environ[_RANK_CORES_ENV].split(",")))
     _exit_with_parent()
     faulthandler.register(_STACK_DUMP_SIGNAL, all_threads=True)
     launch = pickle.loads(Path(config_path).read_bytes())
@@ -1985,6 +2037,7 @@ def _run_child_rank(config_path: str) -> None:
         task_function = pickle.loads(launch["task"])
     else:
         task_function = functools.partial(_run_config_contract, **launch["contract"])
+    _child_job = {"task_function": task_function, "task_cfg": task_cfg}  # what _hydra_job finds here
     _child_store().get(_GO_KEY)  # rank 0 runs this job with this world size: run it here too
     try:
         task_function(task_cfg)
@@ -2082,7 +2135,18 @@ def _import_launching_script(main: dict) -> None:
 
 
 if __name__ == "__main__":
-    # The fork server, run as the module rank 0 imported, not as a second copy of it named __main__.
+    # Run as a script: the fork server (rank 0 starts it: _ForkServer), or a child rank started by hand
+    # from a job's launch file (the command _rank_launch shows). Either runs in the module rank 0 imported,
+    # found on rank 0's sys.path, not in this second copy named __main__, whose state no strategy sees.
+    if len(sys.argv) == 2:  # python hydra_fsdp.py <launch file>
+        _launch = pickle.loads(Path(sys.argv[1]).read_bytes())
+        sys.path[:] = _launch["sys_path"]
+        importlib.import_module(_launch["module"])._run_child_rank(sys.argv[1])
+    if _SERVER_ENV not in os.environ:
+        sys.exit(
+            "usage: python hydra_fsdp.py <job dir>/rank_config.pickle, in the environment that _rank_launch's"
+            " docstring shows, to start a child rank of a running job by hand."
+        )
     _server = json.loads(os.environ.pop(_SERVER_ENV))
     sys.path[:] = _server["sys_path"]
     importlib.import_module(_server["module"])._serve_forks(_server["imports"])

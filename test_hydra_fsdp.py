@@ -428,6 +428,16 @@ def test_guard_run_job_locals(monkeypatch):
         run_job(fit_task, None)
 
 
+def test_a_child_rank_finds_the_job_it_runs_by_its_record_not_by_the_names_of_locals():
+    """A child finds its job in what ``_run_child_rank`` recorded (``_child_job``), so that renaming one of
+    that function's local variables cannot break it with an error that blames Hydra's run_job."""
+    job = {"task_function": fit_task, "task_cfg": hydra_fsdp.OmegaConf.create({"lr": 0.1})}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(hydra_fsdp, "_child_job", job)
+        assert hydra_fsdp._hydra_job() is job
+    assert hydra_fsdp._hydra_job() is None, "outside a job, and outside a child rank: no job"
+
+
 def test_guard_hydra_callbacks_list():
     hydra_context = SimpleNamespace(callbacks=SimpleNamespace(callback_list=[]))  # renamed upstream
     with pytest.raises(RankLaunchError, match=r"hydra_context\.callbacks\.callbacks.*" + UPSTREAM_CHANGED):
