@@ -106,9 +106,12 @@ _RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WOR
 # Rank 0 is the sweep: on a dead peer its NCCL groups abort and keep the process (2), not tear it down
 # (torch's default, 3). For its jobs only; a user's value stands.
 _NCCL_KEEPS_THE_PROCESS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
+# All that a job may change in rank 0's environment (the threads: _placement), put back at the job's end.
+_JOB_ENV = (*_RENDEZVOUS_ENV, *_NCCL_KEEPS_THE_PROCESS, "OMP_NUM_THREADS")
 # How often a wait looks again at what only polling shows (a check-in): on the path of every job.
 _POLL_INTERVAL = 0.01
-_LOG_TAIL_LINES = 20
+_LOG_TAIL_LINES = 20  # of a failed child's log, shown in its job's error
+_LOG_TAIL_BYTES = 1 << 16  # read from the end of that log to find them
 _DIFFERENCES_SHOWN = 5
 _PEER_EXIT_GRACE = 2.0  # after a collective failed on rank 0: how long a child that caused it may take
 _STACK_DUMP_SIGNAL = signal.SIGUSR1  # a child dumps its stack to its log on it (faulthandler)
@@ -520,8 +523,7 @@ class _ForkServer:
             self.proc.wait()
             raise ChildRankError(
                 f"hydra_fsdp's fork server (pid {self.proc.pid}), which imports {', '.join(self.imports)}"
-                " once"
-                f" for the sweep's child ranks, started none within {timeout:g} s and was ended. Raise"
+                f" once for the sweep's child ranks, started none within {timeout:g} s and was ended. Raise"
                 " rank_timeout on the strategy if imports are this slow here (a shared file system)."
             )
         if not self.started:
@@ -874,8 +876,7 @@ class _Sweep(Callback):
             raise RankLaunchError(
                 "hydra_fsdp's strategies start child ranks from the running Hydra job's config, but no Hydra"
                 " job is running here. Call trainer.fit/test/... in a Hydra task function (@hydra.main,"
-                " hydra_zen.zen,"
-                " hydra_zen.launch), or use Lightning's own strategy outside Hydra."
+                " hydra_zen.zen, hydra_zen.launch), or use Lightning's own strategy outside Hydra."
             )
         job = self.job
         if job is not None and job.job_return is hydra_job.get("ret"):
@@ -939,8 +940,13 @@ class _Sweep(Callback):
             self.froze = True
         server = self.fork_server  # not one that failed to start: its first stage would wait for it again
         if self.last_spec is not None and server is not None and server.proc.poll() is None:
-            with contextlib.suppress(Exception):  # the job's first stage starts it again, and reports it
+            try:
                 self.start_job(self.last_spec, _hydra_job())
+            except Exception as error:  # noqa: BLE001 - the job's first stage starts its ranks again
+                log.info(
+                    f"hydra_fsdp: this job's child ranks could not start with the job ({error!r}); its first"
+                    " Trainer stage starts them again, and fails with the error if it recurs."
+                )
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         if self.job is not None and self.job.job_return is job_return:
@@ -985,9 +991,12 @@ class _StageAbort:
         """For a child that failed (``for_rank``) while a stage runs: NCCL would wait for it until the
         group's timeout; for rank 0's failed stage: its exception hooks' collectives would wait too."""
         with self.lock:
-            if not self.aborted and (for_rank is None or self.in_stage):
-                self.aborted, self.for_rank = True, self.for_rank if for_rank is None else for_rank
-                _abort_groups()
+            if self.aborted or (for_rank is not None and not self.in_stage):
+                return  # aborted once already, or a child failed between stages, where nothing waits on it
+            self.aborted = True
+            if for_rank is not None:
+                self.for_rank = for_rank
+            _abort_groups()
 
 
 class _ChildRanks:
@@ -1029,9 +1038,9 @@ class _ChildRanks:
             except subprocess.TimeoutExpired:
                 self.unkillable.add(rank)
                 log.warning(
-                    f"hydra_fsdp: child rank {rank} (pid {proc.pid}) is still there {_KILL_WAIT:g} s after"
-                    " SIGKILL"
-                    " (uninterruptible sleep: a hung driver or file system?); the sweep goes on without it."
+                    f"hydra_fsdp: child rank {rank} (pid {proc.pid}) is still there {_KILL_WAIT:g} s"
+                    " after SIGKILL (uninterruptible sleep: a hung driver or file system?); the sweep goes"
+                    " on without it."
                 )
 
     def log(self, rank: int) -> Path:
@@ -1119,9 +1128,7 @@ class _Job:
         self.closing = contextlib.ExitStack()
         atexit.register(self.close)  # a job that never reaches on_job_end (SystemExit) still ends
         self.closing.callback(self._forget)
-        saved = (*_RENDEZVOUS_ENV, *_NCCL_KEEPS_THE_PROCESS, "OMP_NUM_THREADS")
-        saved_environ = {key: os.environ.get(key) for key in saved}
-        self.closing.callback(_restore_environ, saved_environ)
+        self.closing.callback(_restore_environ, {key: os.environ.get(key) for key in _JOB_ENV})
         self.store = sweep.new_store(spec.address)
         os.environ["MASTER_PORT"] = str(self.store.port)
         self.closing.callback(_SignalWatch(self.children.stop).close)
@@ -1315,17 +1322,25 @@ def _stage_for_children(trainer: Any, call: dict) -> dict:
 
 
 def _destroy_process_group(aborted: bool = False) -> None:
+    """Destroy the default process group, so that the next job of the sweep starts from none.
+    ``aborted``: a child failed and the group's collectives were aborted (``_abort_groups``); from torch 2.7
+    such a group is ended by torch's own ``_abort_process_group``, which a plain destroy would wait on.
+
+    Neither this function nor its callers keep a local name for the group (``torch.distributed.group.WORLD``
+    is read where it is used). Its last reference must go inside ``destroy_process_group``: one left in a
+    frame goes when the frame ends, and on torch < 2.4 freeing a group there deadlocks (see below). A name
+    kept here hung a job's end on torch 2.3 twice (2c850a0, undone in 1d76506 and again in d3aa01c)."""
     if not torch.distributed.is_available():
         return
-    # (No local name for the group: its last reference must not outlive the destroy.)
-    if aborted and hasattr(torch.distributed.group.WORLD, "abort"):  # torch >= 2.7: a graceful destroy
-        abort = getattr(torch.distributed.distributed_c10d, "_abort_process_group", None)  # could wait
+    if aborted and hasattr(torch.distributed.group.WORLD, "abort"):  # torch >= 2.7
+        abort = getattr(torch.distributed.distributed_c10d, "_abort_process_group", None)
         if abort is None:
             raise _upstream_changed("torch's distributed_c10d._abort_process_group", "end an aborted group")
         abort(torch.distributed.group.WORLD)
     if torch.distributed.is_initialized():
         # Hold the group's backends while it is destroyed: torch < 2.4 frees the group holding the GIL, and
-        # gloo's destructor waits for a worker that needs it (6 of 20 runs hung on torch 2.3).
+        # gloo's destructor waits for a worker thread that needs the GIL (6 of 20 runs hung on torch 2.3).
+        # The backends, let go of after the destroy, are freed with the GIL released.
         backends = _backends_of(torch.distributed.group.WORLD)
         torch.distributed.destroy_process_group()
         del backends
@@ -1337,16 +1352,31 @@ def _destroy_process_group(aborted: bool = False) -> None:
 
 
 def _abort_groups() -> None:
-    """Abort the process groups, from any thread: ``abort`` of every group (torch >= 2.7: a DeviceMesh has
-    its own), else the default group's NCCL ``abort`` (2.6) or ``_shutdown`` (2.3-2.5); gloo needs none."""
+    """Abort the job's process groups, from any thread, so that no collective waits for a child that
+    failed: NCCL's would wait until the group's timeout. How depends on the torch release:
+
+    - torch >= 2.7: every group has ``abort()``, and every group is aborted (a DeviceMesh has its own);
+    - torch 2.6: the default group's NCCL backend has ``abort()``;
+    - torch 2.3 to 2.5: the default group's NCCL backend has ``_shutdown()``.
+
+    gloo needs none: its collectives fail as soon as the failed child's connections close.
+    """
     world = torch.distributed.group.WORLD
-    if hasattr(world, "abort"):
+    if hasattr(world, "abort"):  # torch >= 2.7
         registry = getattr(torch.distributed.distributed_c10d, "_world", None)
         for group in list(getattr(registry, "pg_map", None) or [world]):
             group.abort()
         return
     for backend in _backends_of(world):
-        (getattr(backend, "abort", None) or getattr(backend, "_shutdown", None) or (lambda: None))()
+        if hasattr(backend, "abort"):  # torch 2.6
+            backend.abort()
+        elif hasattr(backend, "_shutdown"):  # torch 2.3 to 2.5
+            backend._shutdown()
+        elif type(backend).__name__ == "ProcessGroupNCCL":  # a torch that ends NCCL otherwise: say so
+            log.warning(
+                "hydra_fsdp: this torch's NCCL backend has neither abort() nor _shutdown(): a collective that"
+                " waits for a failed child rank ends only at the process group's timeout."
+            )
 
 
 def _backends_of(group: Any) -> list:
@@ -1371,11 +1401,16 @@ def _let_go_of_the_job(job_return: Any, wrapped: list) -> None:
     FSDP wrappers' flat parameters, torch's caches, and a failed job's traceback (Hydra keeps
     it: its frames hold the module and optimizer). What the user's code can reach stays whole."""
     error = getattr(job_return, "_return_value", None) if job_return.status is JobStatus.FAILED else None
+    # The frames go, their text stays (clearing the frames is not enough: a cleared frame holds its
+    # function): under each error of the chain as a note, which Hydra prints with the error at the sweep's
+    # end. Python 3.10 has no notes: there the whole chain is printed now, once, with its frames.
+    if isinstance(error, BaseException) and not hasattr(error, "add_note"):
+        traceback.print_exception(type(error), error, error.__traceback__)
     while isinstance(error, BaseException) and error.__traceback__ is not None:  # the error, its causes
-        # Its text stays (clearing the frames is not enough: a cleared frame holds its function).
-        _add_note(
-            error, "Traceback (most recent call last):\n" + "".join(traceback.format_tb(error.__traceback__))
-        )
+        if hasattr(error, "add_note"):
+            error.add_note(
+                "Traceback (most recent call last):\n" + "".join(traceback.format_tb(error.__traceback__))
+            )
         error.__traceback__ = None
         error = error.__cause__ or error.__context__
     while wrapped:  # the FSDP wrappers the job built
@@ -1386,24 +1421,44 @@ def _let_go_of_the_job(job_return: Any, wrapped: list) -> None:
         torch.cuda.empty_cache()
 
 
+# The DTensor caches keep the first job's DeviceMesh, and through it its process groups, for good: a later
+# job's mesh compares equal to it, so the old entry is found and kept (the sharding propagator's, in Python
+# and in C++, the redistribute planners', the transform plans' and the mesh topology's; torch 2.13 has all
+# of them). torch 2.4 to 2.7 also cache _get_fqns by model, which keeps every FSDP2 job's whole model.
+# Each is a module and the dotted name, in it, of the function that clears the cache.
+_TORCH_CACHES = (
+    ("torch.distributed.tensor.debug", "_clear_python_sharding_prop_cache"),
+    ("torch.distributed.tensor.debug", "_clear_fast_path_sharding_prop_cache"),
+    ("torch.distributed.tensor._redistribute", "clear_redistribute_planner_cache"),
+    ("torch.distributed.tensor._redistribute", "_gen_transform_infos.cache_clear"),
+    ("torch.distributed.tensor._collective_utils", "MeshTopoInfo.build_from_mesh.cache_clear"),
+    ("torch.distributed.checkpoint.state_dict", "_get_fqns.cache_clear"),
+)
+
+
 def _clear_torch_caches() -> None:
-    """torch's caches keep the first job's DeviceMesh and process groups for good (a later job's mesh
-    equals it), and torch 2.4-2.7's ``_get_fqns`` every FSDP2 model."""
-    for module, names in (  # in torch.distributed, each of some releases
-        ("tensor.debug", "_clear_python_sharding_prop_cache _clear_fast_path_sharding_prop_cache"),
-        ("tensor._redistribute", "clear_redistribute_planner_cache _gen_transform_infos.cache_clear"),
-        ("tensor._collective_utils", "MeshTopoInfo.build_from_mesh.cache_clear"),
-        ("checkpoint.state_dict", "_get_fqns.cache_clear"),
-    ):
-        module = f"torch.distributed.{module}"
-        for name in names.split() if module.rpartition(".")[0] in sys.modules else ():
-            with contextlib.suppress(ImportError, AttributeError):  # not in this torch
-                operator.attrgetter(name)(importlib.import_module(module))()
+    """Clear torch's caches that keep a finished job's objects (``_TORCH_CACHES``), each only where its
+    package was imported (else it holds nothing) and where this torch release has it."""
+    for module, name in _TORCH_CACHES:
+        if module.rpartition(".")[0] not in sys.modules:
+            continue
+        try:
+            clear = operator.attrgetter(name)(importlib.import_module(module))
+        except (ImportError, AttributeError):  # not in this torch release
+            continue
+        clear()
 
 
 def _log_excerpt(log_path: Path) -> list[str]:
-    """The end of a child's log or, if its stack was dumped before it was ended, where it stood."""
-    lines = log_path.read_text(errors="replace").splitlines() if log_path.exists() else []
+    """The end of a child's log or, if its stack was dumped before it was ended, where it stood. Only the
+    log's last ``_LOG_TAIL_BYTES`` are read, since a rank's log can be gigabytes long."""
+    try:
+        with open(log_path, "rb") as log_file:
+            start = max(0, log_file.seek(0, os.SEEK_END) - _LOG_TAIL_BYTES)
+            log_file.seek(start)
+            lines = log_file.read().decode(errors="replace").splitlines()[1 if start else 0 :]
+    except FileNotFoundError:
+        return []
     dumps = [i for i, line in enumerate(lines) if line.endswith("(most recent call first):")]
     for start, end in reversed(list(zip(dumps, dumps[1:] + [len(lines)]))):
         if any("_run_child_rank" in line for line in lines[start:end]):
@@ -1425,9 +1480,7 @@ class _HydraRankLauncher:
     def __init__(self, strategy: "_HydraStrategy") -> None:
         self.strategy = strategy
 
-    @property
-    def is_interactive_compatible(self) -> bool:
-        return False
+    is_interactive_compatible = False  # it starts processes: not from a notebook (Lightning asks)
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         strategy = self.strategy
@@ -1531,6 +1584,7 @@ def _what_this_rank_runs(strategy: "_HydraStrategy") -> dict:
         (name, tuple(p.shape) if full else "sharded", str(p.dtype)) for name, p in module.named_parameters()
     ]
     hydra_job = _hydra_job()
+    output_dir = HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else None
     settings = ["max_epochs", "max_steps", "accumulate_grad_batches", "precision"]
     settings += [f"limit_{loop}_batches" for loop in ("train", "val", "test", "predict")]
     return {
@@ -1544,9 +1598,7 @@ def _what_this_rank_runs(strategy: "_HydraStrategy") -> dict:
         + f", shapes #{hashlib.sha1(repr(shapes).encode()).hexdigest()[:8]}",
         "datamodule": None if trainer.datamodule is None else type(trainer.datamodule).__qualname__,
         "ckpt_path": None if strategy._stage_ckpt_path is None else str(strategy._stage_ckpt_path),
-        "hydra.runtime.output_dir": HydraConfig.get().runtime.output_dir
-        if HydraConfig.initialized()
-        else None,
+        "hydra.runtime.output_dir": output_dir,
         "config": None if hydra_job is None else _resolved_where_possible(hydra_job["task_cfg"]),
         "config types": None if hydra_job is None else _types_of(hydra_job["task_cfg"]),
     }
@@ -1706,7 +1758,8 @@ class _HydraFSDP(_HydraStrategy):
             device_id=self.root_device,
             **self.kwargs,
         )
-        # Lightning drops, warning, an auto_wrap_policy given with a wrapped model; ours applied it.
+        # Lightning warns about an auto_wrap_policy given with a model wrapped already, and drops it: the
+        # wrapper above applied it, so Lightning is not shown it (and it is put back for the next stage).
         auto_wrap_policy = self.kwargs.pop("auto_wrap_policy", None)
         try:
             return super()._setup_model(wrapped)
@@ -1813,8 +1866,7 @@ class _HydraModelParallel(_HydraStrategy):
             log.warning(
                 "hydra_fsdp: HydraModelParallel's default mesh on one node is data_parallel=1 x"
                 f" tensor_parallel={self.world_size}: it shards no data (every rank reads the same batches)."
-                " For FSDP2 alone set"
-                f" data_parallel_size={self.world_size}, tensor_parallel_size=1."
+                f" For FSDP2 alone set data_parallel_size={self.world_size}, tensor_parallel_size=1."
             )
 
     @contextlib.contextmanager
@@ -1827,8 +1879,7 @@ class _HydraModelParallel(_HydraStrategy):
                 raise
             raise RuntimeError(
                 "configure_model() sharded a module again: Lightning calls it before every stage (fit, then"
-                " test)."
-                " Make it idempotent: skip a module already sharded (`isinstance(module, FSDPModule)`)."
+                " test). Make it idempotent: skip one sharded already (`isinstance(module, FSDPModule)`)."
             ) from error
 
     def load_checkpoint(self, checkpoint_path: Any, **kwargs: Any) -> dict:
@@ -1836,8 +1887,8 @@ class _HydraModelParallel(_HydraStrategy):
         # _rekey_optimizer_state_if_needed (IndexError): with nothing to reshard, torch's own load does.
         path = Path(self.broadcast(checkpoint_path))
         saved = torch.load(path, mmap=True, weights_only=kwargs.get("weights_only")) if path.is_file() else {}
-        states = saved.get("optimizer_states") or [{"state": True}]
-        if any(state["state"] for state in states):
+        states = saved.get("optimizer_states")
+        if not states or any(state["state"] for state in states):  # a folder, no optimizers, or with state
             return super().load_checkpoint(path, **kwargs)
         optimizers, self.optimizers = self.optimizers, []
         try:
@@ -2056,7 +2107,8 @@ def _check_resolved_as_on_rank_0(task_cfg: DictConfig, on_rank_0: dict) -> None:
     """Fail before the task function runs if this rank resolves the job's config otherwise than rank 0: a
     resolver without ``use_cache`` (a run id), or one registered only under ``if __name__ == "__main__":``."""
     here, theirs = _flat(_resolved_where_possible(task_cfg)), _flat(on_rank_0)
-    for key in (key for key in theirs if here.get(key) != theirs[key]):
+    key = next((key for key in theirs if here.get(key) != theirs[key]), None)
+    if key is not None:  # the first value that differs
         written = _flat(OmegaConf.to_container(task_cfg))[key]
         resolvers = re.findall(r"\$\{\s*([\w.]+)\s*:", str(written))
         unregistered = [name for name in resolvers if not OmegaConf.has_resolver(name)]

@@ -788,6 +788,73 @@ def test_a_job_end_scans_only_the_jobs_objects_and_leaves_a_users_freeze_alone()
         gc.unfreeze()
 
 
+def test_ranks_that_cannot_start_with_their_job_say_why(caplog):
+    """Starting a job's ranks at its start may fail (its first stage then starts them again, and fails with
+    the error if it recurs): the first error is logged, not swallowed without a word."""
+    follower = hydra_fsdp._Sweep()
+    follower.last_spec = object()
+    follower.fork_server = SimpleNamespace(proc=SimpleNamespace(poll=lambda: None))  # a live server
+    failing = mock.Mock(side_effect=RankLaunchError("the launch file cannot be written"))
+    with mock.patch.object(follower, "start_job", failing), caplog.at_level("INFO", logger="hydra_fsdp"):
+        try:
+            follower.on_job_start(config=None)
+        finally:
+            follower.on_job_end(config=None, job_return=object())
+    failing.assert_called_once()
+    assert "the launch file cannot be written" in caplog.text and "first" in caplog.text, caplog.text
+
+
+def test_a_failed_jobs_frames_are_shown_once_with_their_errors_when_they_are_let_go_of(capsys):
+    """A failed job's frames are let go of at its end (they hold its module). What a user then sees, at
+    the job's end and when Hydra prints the error at the sweep's end, shows each frame once and next to
+    its error: in notes under the errors, or on Python 3.10, which has none, the whole chain at once."""
+    import traceback
+
+    def inner():
+        raise ValueError("inner")
+
+    def outer():
+        try:
+            inner()
+        except ValueError as error:
+            raise RuntimeError("outer") from error
+
+    try:
+        outer()
+    except RuntimeError as error:
+        failed = error
+    hydra_fsdp._let_go_of_the_job(
+        SimpleNamespace(status=hydra_fsdp.JobStatus.FAILED, _return_value=failed), []
+    )
+    assert failed.__traceback__ is None and failed.__cause__.__traceback__ is None
+    at_the_jobs_end = capsys.readouterr().err
+    at_the_sweeps_end = "".join(traceback.format_exception(type(failed), failed, None))
+    shown = at_the_jobs_end + at_the_sweeps_end
+    raising = ['raise ValueError("inner")', 'raise RuntimeError("outer") from error']  # the frames' lines
+    assert [shown.count(line) for line in raising] == [1, 1], shown
+    together = at_the_jobs_end if sys.version_info < (3, 11) else at_the_sweeps_end
+    for text in (raising[0], "ValueError: inner", "direct cause", raising[1], "RuntimeError: outer"):
+        assert text in together, f"{text!r} is not shown with the rest of the error:\n{shown}"
+
+
+def test_a_failed_childs_log_excerpt_reads_the_logs_end_only(tmp_path):
+    import tracemalloc
+
+    log = tmp_path / "rank_1.log"
+    with open(log, "w") as out:
+        out.write(("x" * 99 + "\n") * 640_000)  # 64 MB of a chatty rank
+        out.write("".join(f"line {n}\n" for n in range(30)))
+    tracemalloc.start()
+    try:
+        excerpt = hydra_fsdp._log_excerpt(log)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert excerpt == [f"line {n}" for n in range(10, 30)]
+    assert peak < 4 * 2**20, f"{peak / 2**20:.0f} MB held to show 20 lines of a 64 MB log"
+    assert hydra_fsdp._log_excerpt(tmp_path / "never_written.log") == []
+
+
 def test_at_exit_the_groups_end_and_the_rest_is_frozen_for_the_interpreters_own_collections():
     import gc
 
