@@ -423,8 +423,8 @@ def _rank_launch(job: "_Job", hydra_job: dict) -> bool:
     runs_task = _write_launch(config_path, hydra_job, spec)
     command = [sys.executable, os.path.abspath(__file__), str(config_path)]
     env = {**os.environ, "MASTER_ADDR": spec.address, "MASTER_PORT": str(job.store.port), "NODE_RANK": "0"}
-    env.update(WORLD_SIZE=str(spec.world_size), PYTHONUNBUFFERED="1")  # a killed child's last words logged
-    env[_CHILD_ENV] = str(config_path)
+    # PYTHONUNBUFFERED: a killed child's last words are in its log
+    env.update({_CHILD_ENV: str(config_path)}, WORLD_SIZE=str(spec.world_size), PYTHONUNBUFFERED="1")
     if job.placement.gpus is not None:
         env[_JOB_GPUS_ENV] = ",".join(map(str, job.placement.gpus))
     for rank in range(1, spec.world_size):
@@ -840,7 +840,13 @@ def _pin(cores: Any) -> None:
             os.sched_setaffinity(int(thread), cores)
 
 
-# -------------------- rank 0's job
+# -------------------- rank 0's sweep and job
+# Rank 0 is the sweep's process: it runs every job's rank 0, so whatever a job leaves behind (a process
+# group, memory, a thread, a changed environment) every later job inherits. So each job's end undoes what
+# the job did: it ends its child ranks, destroys its process groups, frees its memory, restores rank 0's
+# environment, threads and cores, and lets go of the devices it claimed.
+
+# ---------- what lasts from job to job
 
 
 class _LaunchSpec(NamedTuple):
@@ -967,6 +973,9 @@ class _Sweep(Callback):
 _sweep = _Sweep()
 
 
+# ---------- a job's child ranks, and their failures
+
+
 class _StageAbort:
     """Whether the job's process groups were aborted, and for which child: the fork server's thread
     aborts, the main thread runs the stage; one lock, so that no abort comes after the stage."""
@@ -991,12 +1000,12 @@ class _StageAbort:
         """For a child that failed (``for_rank``) while a stage runs: NCCL would wait for it until the
         group's timeout; for rank 0's failed stage: its exception hooks' collectives would wait too."""
         with self.lock:
-            if self.aborted or (for_rank is not None and not self.in_stage):
-                return  # aborted once already, or a child failed between stages, where nothing waits on it
-            self.aborted = True
-            if for_rank is not None:
-                self.for_rank = for_rank
-            _abort_groups()
+            # Once; and for a child only while a stage runs (between stages no collective waits for it).
+            if not self.aborted and (for_rank is None or self.in_stage):
+                self.aborted = True
+                if for_rank is not None:
+                    self.for_rank = for_rank
+                _abort_groups()
 
 
 class _ChildRanks:
@@ -1110,6 +1119,32 @@ class _ChildRanks:
         return f"rank {rank} (pid {proc.pid}, {status}); its log is {self.log(rank)}" + (
             f", ending with:\n{excerpt}" if excerpt else "."
         )
+
+
+def _log_excerpt(log_path: Path) -> list[str]:
+    """The end of a child's log or, if its stack was dumped before it was ended, where it stood. Only the
+    log's last ``_LOG_TAIL_BYTES`` are read, since a rank's log can be gigabytes long."""
+    if not log_path.exists():
+        return []
+    with open(log_path, "rb") as log_file:
+        start = max(0, log_file.seek(0, os.SEEK_END) - _LOG_TAIL_BYTES)
+        log_file.seek(start)
+        lines = log_file.read().decode(errors="replace").splitlines()[1 if start else 0 :]  # whole lines
+    dumps = [i for i, line in enumerate(lines) if line.endswith("(most recent call first):")]
+    for start, end in reversed(list(zip(dumps, dumps[1:] + [len(lines)]))):
+        if any("_run_child_rank" in line for line in lines[start:end]):
+            return lines[start : start + _LOG_TAIL_LINES]
+    return lines[-_LOG_TAIL_LINES:]
+
+
+def _add_note(error: BaseException, note: str) -> None:
+    if hasattr(error, "add_note"):  # Python 3.11+: printed under the traceback
+        error.add_note(note)
+    else:
+        print(note, file=sys.stderr)
+
+
+# ---------- the job
 
 
 class _Job:
@@ -1321,6 +1356,9 @@ def _stage_for_children(trainer: Any, call: dict) -> dict:
     }
 
 
+# ---------- a job's teardown: its process groups
+
+
 def _destroy_process_group(aborted: bool = False) -> None:
     """Destroy the default process group, so that the next job of the sweep starts from none.
     ``aborted``: a child failed and the group's collectives were aborted (``_abort_groups``); from torch 2.7
@@ -1374,8 +1412,7 @@ def _abort_groups() -> None:
             backend._shutdown()
         elif type(backend).__name__ == "ProcessGroupNCCL":  # a torch that ends NCCL otherwise: say so
             log.warning(
-                "hydra_fsdp: this torch's NCCL backend has neither abort() nor _shutdown(): a collective that"
-                " waits for a failed child rank ends only at the process group's timeout."
+                "hydra_fsdp: this NCCL has no abort(): collectives on a failed child wait for their timeout."
             )
 
 
@@ -1394,6 +1431,9 @@ def _end_process_groups_at_exit() -> None:
     _destroy_process_group()
     gc.collect()
     gc.freeze()
+
+
+# ---------- the memory a job held, freed between jobs
 
 
 def _let_go_of_the_job(job_return: Any, wrapped: list) -> None:
@@ -1449,28 +1489,23 @@ def _clear_torch_caches() -> None:
         clear()
 
 
-def _log_excerpt(log_path: Path) -> list[str]:
-    """The end of a child's log or, if its stack was dumped before it was ended, where it stood. Only the
-    log's last ``_LOG_TAIL_BYTES`` are read, since a rank's log can be gigabytes long."""
-    try:
-        with open(log_path, "rb") as log_file:
-            start = max(0, log_file.seek(0, os.SEEK_END) - _LOG_TAIL_BYTES)
-            log_file.seek(start)
-            lines = log_file.read().decode(errors="replace").splitlines()[1 if start else 0 :]
-    except FileNotFoundError:
-        return []
-    dumps = [i for i, line in enumerate(lines) if line.endswith("(most recent call first):")]
-    for start, end in reversed(list(zip(dumps, dumps[1:] + [len(lines)]))):
-        if any("_run_child_rank" in line for line in lines[start:end]):
-            return lines[start : start + _LOG_TAIL_LINES]
-    return lines[-_LOG_TAIL_LINES:]
+def _free_flat_parameters(wrapper: torch.nn.Module) -> None:
+    """Let ``wrapper``'s flat parameters be freed: one refers to the modules it flattened (torch
+    >= 2.13) and to a hook a failed step left, and both edges back go through C++, where gc sees no cycle."""
+    for unit in _fsdp().FullyShardedDataParallel.fsdp_modules(wrapper):
+        flat_param = getattr(getattr(unit, "_handle", None), "flat_param", None)
+        if flat_param is None and hasattr(unit, "_handle"):
+            continue  # a unit that holds no parameters of its own
+        if not isinstance(flat_param, torch.nn.Parameter):
+            raise _upstream_changed("FSDP's FlatParamHandle.flat_param", "free a job's flat parameters")
+        for value in flat_param.__dict__.values():  # a post-backward hook a failed step left registered
+            for item in value if isinstance(value, tuple) else (value,):
+                if isinstance(item, torch.utils.hooks.RemovableHandle):
+                    item.remove()
+        flat_param.__dict__.clear()
 
 
-def _add_note(error: BaseException, note: str) -> None:
-    if hasattr(error, "add_note"):  # Python 3.11+: printed under the traceback
-        error.add_note(note)
-    else:
-        print(note, file=sys.stderr)
+# ---------- the launcher that Lightning calls
 
 
 class _HydraRankLauncher:
@@ -1614,16 +1649,31 @@ def _flat(tree: Any, prefix: str = "") -> dict:
 
 # -------------------- the strategies
 
+# ---------- the releases each strategy needs
 
-# The oldest releases, as pyproject.toml declares them.
+
+# The oldest releases, as pyproject.toml declares them: below them hydra_fsdp refuses to build a strategy.
 _MINIMUM_VERSIONS = {"torch": "2.3", "hydra-core": "1.3.0", "pytorch-lightning": "2.2", "lightning": "2.2"}
-# Beyond that (Lightning, torch): Lightning refuses FSDP on a CPU before 2.3.0, ModelParallelStrategy is
-# in 2.4, FSDP2 trains right on gloo from torch 2.10.
-_NEEDS = {
-    "HydraFSDP without a GPU": ("2.3.0", "0"),
-    "HydraModelParallel": ("2.4", "2.4"),
-    "HydraModelParallel without a GPU": ("0", "2.10"),
-}
+
+
+class _Need(NamedTuple):
+    """Releases that a strategy needs beyond hydra_fsdp's own floor, always or only where there is no GPU;
+    None: any release."""
+
+    strategy: str
+    without_gpu: bool
+    lightning: str | None
+    torch: str | None
+
+
+# Lightning refuses FSDP on a CPU before 2.3.0, and ModelParallelStrategy is new in Lightning 2.4. Without a
+# GPU, FSDP2 trains right only from torch 2.10: before it, gloo's reduce_scatter with AVG sums instead
+# (pytorch/pytorch#162338), so that gradients are N times too large, silently.
+_NEEDS = (
+    _Need("HydraFSDP", without_gpu=True, lightning="2.3.0", torch=None),
+    _Need("HydraModelParallel", without_gpu=False, lightning="2.4", torch="2.4"),
+    _Need("HydraModelParallel", without_gpu=True, lightning=None, torch="2.10"),
+)
 
 
 def _release(version: str) -> tuple:
@@ -1640,13 +1690,15 @@ def _check_versions(lightning: types.ModuleType, strategy: str) -> None:
     lightning_name = _PIP_NAMES[package]
     found = {lightning_name: sys.modules[package].__version__}
     found |= {"torch": torch.__version__, "hydra-core": hydra.__version__}
-    needs = [("hydra_fsdp", _MINIMUM_VERSIONS, "")] + [
-        (who, dict(zip((lightning_name, "torch"), versions)), ", or use HydraDDP")
-        for who, versions in _NEEDS.items()
-        if who == strategy or (who == f"{strategy} without a GPU" and not torch.cuda.is_available())
-    ]
+    needs = [("hydra_fsdp", _MINIMUM_VERSIONS, "")]
+    for need in _NEEDS:
+        if need.strategy == strategy and not (need.without_gpu and torch.cuda.is_available()):
+            who = strategy + (" without a GPU" if need.without_gpu else "")
+            needs.append((who, {lightning_name: need.lightning, "torch": need.torch}, ", or use HydraDDP"))
     for who, needed, otherwise in needs:
-        too_old = [name for name in found if _release(found[name]) < _release(needed.get(name, "0"))]
+        too_old = [
+            name for name in found if needed.get(name) and _release(found[name]) < _release(needed[name])
+        ]
         if too_old:
             what = ", ".join(f"{name}>={needed[name]} (found {found[name]})" for name in too_old)
             install = " ".join(f"'{name}>={needed[name]}'" for name in too_old)
@@ -1656,6 +1708,9 @@ def _check_versions(lightning: types.ModuleType, strategy: str) -> None:
 def _fsdp() -> types.ModuleType:
     """torch.distributed.fsdp, imported on first use: half a second that importing hydra_fsdp does without."""
     return importlib.import_module("torch.distributed.fsdp")
+
+
+# ---------- what every strategy adds to Lightning's
 
 
 class _HydraStrategy:
@@ -1718,6 +1773,9 @@ class _HydraStrategy:
         if job is not None:  # never a checkpoint of a stage whose process group was aborted
             job.raise_if_aborted()
         super().save_checkpoint(*args, **kwargs)
+
+
+# ---------- HydraFSDP: sharding on the CPU too, and its checkpoints
 
 
 class _HydraFSDP(_HydraStrategy):
@@ -1856,66 +1914,6 @@ class _HydraFSDP(_HydraStrategy):
         return self._state_dict_type == "full" and self.root_device.type == "cpu"
 
 
-class _HydraModelParallel(_HydraStrategy):
-    """What HydraModelParallel adds: two mistakes named, a full checkpoint of SGD loadable."""
-
-    def setup_environment(self) -> None:
-        sizes = {getattr(self, "_data_parallel_size", 0), getattr(self, "_tensor_parallel_size", 1)}
-        super().setup_environment()
-        if sizes == {"auto"} and self.num_nodes == 1 and self.world_size > 1:
-            log.warning(
-                "hydra_fsdp: HydraModelParallel's default mesh on one node is data_parallel=1 x"
-                f" tensor_parallel={self.world_size}: it shards no data (every rank reads the same batches)."
-                f" For FSDP2 alone set data_parallel_size={self.world_size}, tensor_parallel_size=1."
-            )
-
-    @contextlib.contextmanager
-    def model_sharded_context(self) -> Any:
-        try:
-            with super().model_sharded_context():  # around configure_model
-                yield
-        except AssertionError as error:
-            if "can only be applied to a module once" not in str(error):
-                raise
-            raise RuntimeError(
-                "configure_model() sharded a module again: Lightning calls it before every stage (fit, then"
-                " test). Make it idempotent: skip one sharded already (`isinstance(module, FSDPModule)`)."
-            ) from error
-
-    def load_checkpoint(self, checkpoint_path: Any, **kwargs: Any) -> dict:
-        # A full checkpoint of optimizers without per-parameter state (SGD) fails in lightning_fabric's
-        # _rekey_optimizer_state_if_needed (IndexError): with nothing to reshard, torch's own load does.
-        path = Path(self.broadcast(checkpoint_path))
-        saved = torch.load(path, mmap=True, weights_only=kwargs.get("weights_only")) if path.is_file() else {}
-        states = saved.get("optimizer_states")
-        if not states or any(state["state"] for state in states):  # a folder, no optimizers, or with state
-            return super().load_checkpoint(path, **kwargs)
-        optimizers, self.optimizers = self.optimizers, []
-        try:
-            checkpoint = super().load_checkpoint(path, **kwargs)
-        finally:
-            self.optimizers = optimizers
-        for optimizer, state in zip(optimizers, states):
-            optimizer.load_state_dict(state)
-        return checkpoint
-
-
-def _free_flat_parameters(wrapper: torch.nn.Module) -> None:
-    """Let ``wrapper``'s flat parameters be freed: one refers to the modules it flattened (torch
-    >= 2.13) and to a hook a failed step left, and both edges back go through C++, where gc sees no cycle."""
-    for unit in _fsdp().FullyShardedDataParallel.fsdp_modules(wrapper):
-        flat_param = getattr(getattr(unit, "_handle", None), "flat_param", None)
-        if flat_param is None and hasattr(unit, "_handle"):
-            continue  # a unit that holds no parameters of its own
-        if not isinstance(flat_param, torch.nn.Parameter):
-            raise _upstream_changed("FSDP's FlatParamHandle.flat_param", "free a job's flat parameters")
-        for value in flat_param.__dict__.values():  # a post-backward hook a failed step left registered
-            for item in value if isinstance(value, tuple) else (value,):
-                if isinstance(item, torch.utils.hooks.RemovableHandle):
-                    item.remove()
-        flat_param.__dict__.clear()
-
-
 def _metadata_file(checkpoint: Path) -> Path:
     """What Lightning saves of a sharded checkpoint besides its shards: loops, callbacks, hparams."""
     path = checkpoint / "meta.pt"
@@ -1973,6 +1971,56 @@ def _full_state_dict_in_place(module: torch.nn.Module, rank0_only: bool = True) 
         state_dict_config=fsdp.FullStateDictConfig(**config),
         optim_state_dict_config=fsdp.api.FullOptimStateDictConfig(**config),
     )
+
+
+# ---------- HydraModelParallel: FSDP2 and tensor parallelism
+
+
+class _HydraModelParallel(_HydraStrategy):
+    """What HydraModelParallel adds: two mistakes named, a full checkpoint of SGD loadable."""
+
+    def setup_environment(self) -> None:
+        sizes = {getattr(self, "_data_parallel_size", 0), getattr(self, "_tensor_parallel_size", 1)}
+        super().setup_environment()
+        if sizes == {"auto"} and self.num_nodes == 1 and self.world_size > 1:
+            log.warning(
+                "hydra_fsdp: HydraModelParallel's default mesh on one node is data_parallel=1 x"
+                f" tensor_parallel={self.world_size}: it shards no data (every rank reads the same batches)."
+                f" For FSDP2 alone set data_parallel_size={self.world_size}, tensor_parallel_size=1."
+            )
+
+    @contextlib.contextmanager
+    def model_sharded_context(self) -> Any:
+        try:
+            with super().model_sharded_context():  # around configure_model
+                yield
+        except AssertionError as error:
+            if "can only be applied to a module once" not in str(error):
+                raise
+            raise RuntimeError(
+                "configure_model() sharded a module again: Lightning calls it before every stage (fit, then"
+                " test). Make it idempotent: skip one sharded already (`isinstance(module, FSDPModule)`)."
+            ) from error
+
+    def load_checkpoint(self, checkpoint_path: Any, **kwargs: Any) -> dict:
+        # A full checkpoint of optimizers without per-parameter state (SGD) fails in lightning_fabric's
+        # _rekey_optimizer_state_if_needed (IndexError): with nothing to reshard, torch's own load does.
+        path = Path(self.broadcast(checkpoint_path))
+        saved = torch.load(path, mmap=True, weights_only=kwargs.get("weights_only")) if path.is_file() else {}
+        states = saved.get("optimizer_states")
+        if not states or any(state["state"] for state in states):  # a folder, no optimizers, or with state
+            return super().load_checkpoint(path, **kwargs)
+        optimizers, self.optimizers = self.optimizers, []
+        try:
+            checkpoint = super().load_checkpoint(path, **kwargs)
+        finally:
+            self.optimizers = optimizers
+        for optimizer, state in zip(optimizers, states):
+            optimizer.load_state_dict(state)
+        return checkpoint
+
+
+# ---------- the public classes, on the Lightning namespace in use
 
 
 @functools.cache
@@ -2195,10 +2243,7 @@ if __name__ == "__main__":
         sys.path[:] = _launch["sys_path"]
         importlib.import_module(_launch["module"])._run_child_rank(sys.argv[1])
     if _SERVER_ENV not in os.environ:
-        sys.exit(
-            "usage: python hydra_fsdp.py <job dir>/rank_config.pickle, in the environment that _rank_launch's"
-            " docstring shows, to start a child rank of a running job by hand."
-        )
+        sys.exit(f"usage: python {__file__} <job dir>/{_LAUNCH_FILE}, in the environment _rank_launch shows")
     _server = json.loads(os.environ.pop(_SERVER_ENV))
     sys.path[:] = _server["sys_path"]
     importlib.import_module(_server["module"])._serve_forks(_server["imports"])

@@ -29,7 +29,7 @@ from hydra_fsdp import ChildRankError, HydraDDP, HydraFSDP, RankLaunchError
 
 # Lightning before 2.3.0 refuses FSDP without a GPU, and HydraFSDP then refuses to be built.
 FSDP_ON_CPU = torch.cuda.is_available() or hydra_fsdp._release(pl.__version__) >= hydra_fsdp._release(
-    hydra_fsdp._NEEDS["HydraFSDP without a GPU"][0]
+    next(need.lightning for need in hydra_fsdp._NEEDS if need.strategy == "HydraFSDP")
 )
 needs_fsdp_on_cpu = pytest.mark.skipif(
     not FSDP_ON_CPU,
