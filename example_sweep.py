@@ -3,9 +3,12 @@
     python example_sweep.py -m                                   # HydraFSDP, module.lr=0.01,0.05
     python example_sweep.py -m trainer/strategy=ddp              # the same sweep with HydraDDP
     python example_sweep.py -m trainer/strategy=model_parallel   # with FSDP2 (Lightning, torch >= 2.4)
+    python example_sweep.py -m trainer/strategy=ddp,fsdp,model_parallel   # all three, 6 jobs
 
-It trains on 2 GPUs when there are 2, else on the CPU with 2 processes (gloo). Every rank of
-every job reports what it trained: rank 0 on the console, rank 1 in <job dir>/rank_1.log.
+It trains on 2 GPUs when there are 2, else on the CPU with 2 processes (gloo). At the end of each job,
+rank 0 prints a line for every rank of the job: its process, the parameters it holds and its loss.
+The model is seeded (``seed``), so the three strategies end each lr at the same loss: sharding the
+parameters (FSDP, FSDP2) trains the same model as keeping a full copy on every rank (DDP).
 """
 
 import os
@@ -56,14 +59,20 @@ class Regressor(pl.LightningModule):
         return torch.utils.data.DataLoader(data, batch_size=32)
 
     def on_train_end(self):
+        """Rank 0 prints every rank's report: a child rank's own console is its log (rank_1.log)."""
         held = sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in self.trainer.model.parameters())
-        print(
-            f"rank {self.global_rank}/{self.trainer.world_size} (pid {os.getpid()}) of job"
-            f" {HydraConfig.get().job.num}: lr={self.lr}, {type(self.trainer.strategy).__name__},"
-            f" holds {held} of {self.total_parameters} parameters,"
-            f" loss {self.trainer.callback_metrics['train_loss']:.4f}",
-            flush=True,
-        )
+        loss = self.trainer.callback_metrics["train_loss"]
+        mine = torch.tensor([os.getpid(), held, loss], dtype=torch.float64, device=self.device)
+        every_rank = self.all_gather(mine)  # one row per rank, on every rank
+        if self.global_rank != 0:
+            return
+        job = f"job {HydraConfig.get().job.num}: lr={self.lr}, {type(self.trainer.strategy).__name__},"
+        for rank, (pid, held, loss) in enumerate(every_rank.tolist()):
+            print(
+                f"{job} rank {rank}/{self.trainer.world_size} (pid {pid:.0f}) holds {held:.0f}"
+                f" of {self.total_parameters} parameters, loss {loss:.4f}",
+                flush=True,
+            )
 
 
 two_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= 2
@@ -88,6 +97,7 @@ store(  # FSDP2 over both ranks: the default mesh (1 x 2) would shard no data
 store(
     make_config(
         hydra_defaults=["_self_", {"trainer/strategy": "fsdp"}],
+        seed=0,
         trainer=Trainer,
         module=builds(Regressor, populate_full_signature=True),
         hydra={"sweeper": {"params": {"module.lr": "0.01,0.05"}}},
@@ -96,10 +106,16 @@ store(
 )
 
 
+def seed(config) -> None:
+    """zen's pre_call, before the Trainer and the module are built, on every rank: the same initial weights.
+    A top-level function, not a lambda: child ranks find the task function, pre_call included, by name."""
+    pl.seed_everything(config.seed)
+
+
 def train(trainer: pl.Trainer, module: pl.LightningModule) -> None:
     trainer.fit(module)
 
 
 if __name__ == "__main__":
     store.add_to_hydra_store()
-    zen(train).hydra_main(config_name="example", config_path=None, version_base="1.3")
+    zen(train, pre_call=seed).hydra_main(config_name="example", config_path=None, version_base="1.3")
