@@ -7,6 +7,7 @@ own) is ended, and the failure shows the output the processes wrote.
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -28,7 +29,7 @@ LIGHTNING = version("pytorch-lightning")
 def builds_here(strategy):
     """Whether hydra_fsdp builds ``strategy`` on these releases, this machine (it refuses, naming what it
     needs, e.g. HydraFSDP without a GPU on Lightning < 2.3, HydraModelParallel without one on torch
-    < 2.10)."""
+    < 2.10). Not what the tests skip by: see should_build."""
     try:
         _check_versions(pytorch_lightning, strategy)
     except ImportError:
@@ -36,11 +37,23 @@ def builds_here(strategy):
     return True
 
 
-FSDP_ON_CPU = builds_here("HydraFSDP")
+def _release(version):
+    return tuple(int(part) for part in re.match(r"\d+(\.\d+)*", version).group().split("."))
+
+
+# What should build here, from the releases alone, decided apart from the code under test: a wrong
+# refusal by hydra_fsdp then fails its tests (and tests/test_skips.py) instead of skipping them.
+SHOULD_BUILD = {
+    "HydraDDP": True,
+    "HydraFSDP": torch.cuda.is_available() or _release(LIGHTNING) >= (2, 3, 0),
+    "HydraModelParallel": _release(LIGHTNING) >= (2, 4)
+    and _release(torch.__version__) >= ((2, 4) if torch.cuda.is_available() else (2, 10)),
+}
+FSDP_ON_CPU = SHOULD_BUILD["HydraFSDP"]
 FSDP_ON_CPU_REASON = (
     f"Lightning {LIGHTNING} refuses FSDP without a GPU (HydraFSDP refuses to be built: tested)"
 )
-MODEL_PARALLEL = builds_here("HydraModelParallel")
+MODEL_PARALLEL = SHOULD_BUILD["HydraModelParallel"]
 MODEL_PARALLEL_REASON = (
     f"Lightning {LIGHTNING}, torch {torch.__version__}: no FSDP2 here (HydraModelParallel refuses to be"
     " built: tested)"
@@ -276,9 +289,7 @@ def assert_failed_job_then_healthy_job(
     sweep = app / "sweep"
     assert not records(sweep / failed), "the failed job must not have finished on any rank"
     assert_ranks_agree(sweep / healthy)
-    for job in (failed, healthy):
-        for rank, pid in started_pids(sweep / job).items():
-            assert not alive(pid), f"job {job} rank {rank} (pid {pid}) is still running"
+    assert_ended_with_their_job(sweep / failed, sweep / healthy)
     # the failed job left nothing behind for the next one (which may have started its own ranks
     # already, at Hydra's start of the job: a port and a signal thread of its own)
     first = json.loads((sweep / failed / "started" / "rank0.json").read_text())
@@ -286,7 +297,20 @@ def assert_failed_job_then_healthy_job(
     assert {key: start["env"][key] for key in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK")} == dict.fromkeys(
         ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK")
     )
-    assert start["env"]["MASTER_PORT"] != first["env"]["MASTER_PORT"] or start["env"]["MASTER_PORT"] is None
+    # a port of its own: torch's store of the failed job's port would hide the new one's. The ports
+    # each job's ranks were given (rank 0's is unset where its module was built before its launch)
+    failed_ports, healthy_ports = (
+        {
+            json.loads(p.read_text())["env"]["MASTER_PORT"]
+            for p in (sweep / job / "started").glob("rank*.json")
+        }
+        - {None}
+        for job in (failed, healthy)
+    )
+    assert len(healthy_ports) == 1, f"job {healthy}'s ranks were given the ports {healthy_ports}"
+    assert not healthy_ports & failed_ports, (
+        f"job {healthy} rendezvoused on job {failed}'s port {failed_ports}"
+    )
     assert start["process_group"] is False
     own = "hydra-fsdp-signals"
     server = "hydra-fsdp-fork-server"  # reads the sweep's fork server (one at a time), started by a stage
@@ -296,6 +320,33 @@ def assert_failed_job_then_healthy_job(
         t for t in first["threads"] if t not in (own, server)
     ]
     assert start["threads"].count(own) <= 1, "no thread of job 0 may outlive it"
+
+
+def alive_at(job_dir, moment):
+    """The processes below the sweep's process at ``moment`` ("start" or "end") of the job, as the app's
+    RecordAlive callback saw them while the sweep ran: {pid: command line}."""
+    path = Path(job_dir, f"alive_at_{moment}.json")
+    assert path.exists(), f"{path} is missing: run the sweep with {RECORD_ALIVE}"
+    return {int(pid): command for pid, command in json.loads(path.read_text()).items()}
+
+
+RECORD_ALIVE = "+hydra.callbacks.record_alive._target_=__main__.RecordAlive"
+
+
+def assert_ended_with_their_job(*job_dirs):
+    """Every child rank of each job (``job_dirs`` in the sweep's order) was gone when hydra_fsdp had
+    ended the job, at Hydra's end of it, the sweep still running, and so before the next job started:
+    not only once the sweep exited, when the fork server kills whatever it still runs."""
+    for n, job_dir in enumerate(map(Path, job_dirs)):
+        children = {rank: pid for rank, pid in started_pids(job_dir).items() if rank != 0}
+        left = {rank: pid for rank, pid in children.items() if pid in alive_at(job_dir, "end")}
+        assert not left, f"job {job_dir.name}'s child ranks {left} were still running at the job's end"
+        if n + 1 < len(job_dirs):
+            running = alive_at(job_dirs[n + 1], "start")
+            left = {rank: pid for rank, pid in children.items() if pid in running}
+            assert not left, (
+                f"job {job_dir.name}'s child ranks {left} were still running as the next job started"
+            )
 
 
 def wait_for(predicate, timeout, what):

@@ -21,11 +21,11 @@ import pytest
 import torch
 from helpers import (
     APPS,
+    RECORD_ALIVE,
     Run,
-    alive,
+    assert_ended_with_their_job,
     assert_failed_job_then_healthy_job,
     records,
-    started_pids,
     sweep_in,
 )
 
@@ -68,6 +68,7 @@ def sweep_killing_rank_1(app, env, *overrides, jobs="module.lr=0.1,0.2"):
         jobs,
         f"+trainer.strategy.process_group_backend={BACKEND}",
         *KILLED_MID_FIT,
+        RECORD_ALIVE,
         *overrides,
         env=env,
         timeout=SWEEP_BOUND,
@@ -170,8 +171,7 @@ def test_an_abort_that_releases_rank0_silently_still_fails_the_job(app, on_stub_
     else:  # rank 0 went on to the end of fit: only the stage's end tells the job failed
         assert sorted(records(job0)) == [0], "rank 0 finished fit on the silently aborted group"
         assert "in stage\n" in text and "self.raise_if_aborted()" in text, text[-6000:]
-    for rank, pid in started_pids(job0).items():
-        assert not alive(pid), f"rank {rank} (pid {pid}) is still running"
+    assert_ended_with_their_job(job0)  # gone at the job's end, not only once the sweep exited
     print(
         f"silent release ({'checkpointing' if checkpointing else 'no checkpoints'}): rank 0 {how}:"
         f" aborted {aborted:.3f} s after rank 1's death showed, the job ended {ended:.2f} s after;"
@@ -193,8 +193,8 @@ group = dist.new_group([0, 1], timeout=timedelta(seconds=5)) if sys.argv[2] == "
 dist.all_reduce(torch.ones(1), group=group)
 if rank == 1:
     os.kill(os.getpid(), 9)
-def abort_as_hydra_fsdp_does():
-    time.sleep(0.5)
+def abort_as_hydra_fsdp_does():  # once the collective below blocks on the dead peer
+    print(f"blocked: {stub_backend.blocked_on_dead_peer.wait(30)}", flush=True)
     hydra_fsdp._abort_groups()
 threading.Thread(target=abort_as_hydra_fsdp_does, name="hydra-fsdp-fork-server").start()
 started = time.monotonic()
@@ -225,4 +225,5 @@ def test_the_abort_releases_a_collective_on_any_group(tmp_path, group):
     finally:
         for rank in ranks:
             rank.end()
+    assert "blocked: True" in rank0.text(), f"it never blocked on the dead peer:\n{rank0.text()[-3000:]}"
     assert "released after" in rank0.text(), rank0.text()[-3000:]

@@ -179,8 +179,11 @@ def test_slurm_fewer_tasks_than_devices_fails_fast(app, cluster):
     assert proc.returncode != 0, failure_report(proc, app, cluster)
     assert proc.seconds < FAIL_FAST_BOUND, failure_report(proc, app, cluster)
     error = proc.stderr
-    assert "RankLaunchError" in error or "ntasks-per-node" in error, failure_report(proc, app, cluster)
-    assert "devices" in error, failure_report(proc, app, cluster)
+    # hydra_fsdp's own check (_check_launched_world_size), which runs before Lightning's (its
+    # SLURMEnvironment.validate_settings names --ntasks-per-node too)
+    own = "RankLaunchError: The external launcher started 1 processes (world size), but the Trainer expects"
+    assert own in error, failure_report(proc, app, cluster)
+    assert "num_nodes x devices = 1 x 2 = 2" in error, failure_report(proc, app, cluster)
     assert not records(app / "sweep" / "0")
     print(f"SLURM, tasks_per_node=1 with devices=2 failed in {proc.seconds:.1f} s")
 

@@ -48,6 +48,9 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroupGloo
 
 NAME = "hangs_on_dead_peer"
+# set when a collective of this process blocks on a dead peer: a test's thread waits on it to abort
+# only once the collective blocks, as NCCL's would be
+blocked_on_dead_peer = threading.Event()
 _built = itertools.count()
 # What gloo says when the peer's process is gone (its socket closed or reset under a transfer).
 PEER_GONE = ("Connection closed by peer", "Connection reset", "Broken pipe", "Socket closed")
@@ -113,6 +116,7 @@ class HangsOnDeadPeer(dist.ProcessGroup):
             if not any(text in str(error) for text in PEER_GONE):
                 raise
             _note(f"{what}: the peer is gone ({str(error).splitlines()[0]}); blocking until abort()")
+            blocked_on_dead_peer.set()
             # releases the GIL, as a thread blocked in NCCL does; NCCL's watchdog would give up at the
             # group's timeout (30 min by default) and, with TORCH_NCCL_ASYNC_ERROR_HANDLING=2, abort
             if not self._aborted.wait(self._timeout.total_seconds()):

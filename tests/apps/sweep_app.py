@@ -44,6 +44,26 @@ def local_rank():
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
+def full_copy(module):
+    """Whether this rank holds every parameter whole (DDP, one rank), not a shard of it."""
+    held = [getattr(p, "to_local", lambda p=p: p)() for p in module.trainer.model.parameters()]
+    return sum(p.numel() for p in held) == module.params_total
+
+
+def shards_of(net, world):
+    """What each of ``world`` ranks should hold of ``net``'s full weights, by sharding strategy: the sum
+    of each rank's part. "flat": HydraFSDP's one unit, all parameters in one flat tensor, padded and
+    split evenly; "rows": FSDP2 (HydraModelParallel's fully_shard), each parameter split along dim 0."""
+    params = [p.detach().double() for p in net.parameters()]
+    flat = torch.cat([p.flatten() for p in params])
+    size = -(-flat.numel() // world)
+    rows = [0.0] * world
+    for p in params:
+        for rank, chunk in enumerate(torch.chunk(p, world, dim=0)):
+            rows[rank] += float(chunk.sum())
+    return {"flat": [float(flat[r * size : (r + 1) * size].sum()) for r in range(world)], "rows": rows}
+
+
 class Tiny(pl.LightningModule):
     def __init__(
         self,
@@ -143,6 +163,8 @@ class Tiny(pl.LightningModule):
         full_sum = local_sum.clone()
         torch.distributed.all_reduce(full_sum)
         datamodule = self.trainer.datamodule
+        with torch.random.fork_rng(devices=[]):  # a draw that leaves the generator as it was
+            torch_draw = float(torch.rand(1))
         seen = dict(
             self.seen,
             stage=stage,
@@ -169,6 +191,10 @@ class Tiny(pl.LightningModule):
             fit_started=getattr(self, "fit_started", None),  # when it ran: jobs at once, or one at a time
             time=time.time(),
             numpy_draw=float(numpy.random.rand()),
+            torch_draw=torch_draw,
+            # a rank holding full weights (DDP): the sum of what each rank of a sharding strategy
+            # should hold of them, FSDP's flat shards and FSDP2's rows, for its tests to compare with
+            shards_should_hold=shards_of(self.net, self.trainer.world_size) if full_copy(self) else None,
             rank_zero_only_rank=pl.utilities.rank_zero_only.rank,
             strategy_namespace=type(self.trainer.strategy)._lightning.__name__,
             trainer_namespace=type(self.trainer).__module__.split(".trainer")[0],
@@ -182,6 +208,9 @@ class Tiny(pl.LightningModule):
 
     def on_fit_start(self):
         self.fit_started = time.time()
+
+    def on_train_epoch_end(self):  # what ModelCheckpoint saves of this epoch: seen/epoch<N>_rank<R>.json
+        self._record(f"epoch{self.current_epoch}")
 
     def on_train_end(self):
         self._record("fit")
@@ -255,6 +284,39 @@ class RecordError(Callback):
             (job_dir() / "error.txt").write_text(error + (job_dir() / "stderr.txt").read_text())
 
 
+def live_descendants():
+    """Every live process below this one (a zombie is gone: it holds nothing), {pid: command line}."""
+    parent_of, cmdline = {}, {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            if fields[0] != "Z":
+                parent_of[int(entry.name)], cmdline[int(entry.name)] = int(fields[1]), command.strip()
+    found, frontier = {}, [os.getpid()]
+    while frontier:
+        frontier = [pid for pid, parent in parent_of.items() if parent in frontier and pid not in found]
+        found.update((pid, cmdline[pid]) for pid in frontier)
+    return found
+
+
+class RecordAlive(Callback):
+    """``+hydra.callbacks.record_alive._target_=__main__.RecordAlive``: the processes below the sweep's
+    process (rank 0) as each job starts, before hydra_fsdp starts its ranks, and as it ends, after
+    hydra_fsdp ended them (Hydra calls a job's end callbacks last-added first: hydra_fsdp's, added at
+    the first job's launch, runs before this one), in <job dir>/alive_at_start.json and
+    alive_at_end.json: what a job left running, seen while the sweep still runs."""
+
+    def on_job_start(self, config, **kwargs):
+        (job_dir() / "alive_at_start.json").write_text(json.dumps(live_descendants()))
+
+    def on_job_end(self, config, job_return, **kwargs):
+        (job_dir() / "alive_at_end.json").write_text(json.dumps(live_descendants()))
+
+
 class RecordProcess(Callback):
     """``+hydra.callbacks.record_process._target_=__main__.RecordProcess``: what the sweep's process (rank 0
     of every job of the basic launcher) runs on after the sweep, in <sweep dir>/process_after.json."""
@@ -296,6 +358,11 @@ Config = make_config(
     loaders_in_call=False,  # pass the dataloaders straight to trainer.fit/validate/...
     # for trainer.callbacks=[${keep_last}]: lets a stage load ckpt_path="last"
     keep_last=builds(pl.callbacks.ModelCheckpoint, save_last=True),
+    # for trainer.callbacks=[${best_is_first}]: "best" is the epoch of the highest validation loss, the
+    # first (training lowers it), so that loading best is told apart from loading last and from nothing
+    best_is_first=builds(
+        pl.callbacks.ModelCheckpoint, save_last=True, monitor="val_loss", mode="max", save_top_k=1
+    ),
 )
 
 
