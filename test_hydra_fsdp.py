@@ -23,6 +23,7 @@ import pytorch_lightning as pl
 import torch
 from hydra.utils import instantiate
 from hydra_zen import builds, launch, make_config, zen
+from omegaconf import OmegaConf
 
 import hydra_fsdp
 from hydra_fsdp import ChildRankError, HydraDDP, HydraFSDP, RankLaunchError
@@ -131,6 +132,7 @@ def test_rank_launch_command_env_cwd_and_stagger(tmp_path, strategy):
         assert log == run.job_dir / f"rank_{rank}.log"
     assert len(ports) == 1
     assert [c for c in run.sleep.call_args_list if c.args == (2.5,)] == [mock.call(2.5)]  # between the two
+    assert run.launch["cwd"] == os.getcwd()  # the job's working directory (Hydra 1.3: it does not chdir)
     assert not config.exists()  # the job's end removed it
     # the job cleaned up: children killed and reaped, rank 0's environment as it was
     assert run.start.return_value.kill.called
@@ -530,7 +532,8 @@ def test_bad_strategy_arguments_fail_at_construction_naming_them(strategy, argum
 
 
 def test_rank_timeout_from_yaml_may_be_an_int():
-    assert HydraDDP(rank_timeout=30).rank_timeout == 30
+    strategy = instantiate(OmegaConf.create("_target_: hydra_fsdp.HydraDDP\nrank_timeout: 30\n"))
+    assert isinstance(strategy, HydraDDP) and strategy.rank_timeout == 30
 
 
 # --------------------------------------------------------------------------- the releases it runs on
@@ -658,16 +661,33 @@ def test_a_child_that_outlives_sigkill_is_not_waited_for_forever(tmp_path, monke
         sleeper.wait()
 
 
+class _TellsWhenWaitedOn:
+    """A re-entrant lock that tells (``waited_on``) when a thread has to wait for it."""
+
+    def __init__(self):
+        self.lock, self.waited_on = threading.RLock(), threading.Event()
+
+    def __enter__(self):
+        if not self.lock.acquire(blocking=False):
+            self.waited_on.set()
+            self.lock.acquire()
+
+    def __exit__(self, *exc_info):
+        self.lock.release()
+
+
 def test_a_signal_while_children_are_being_started_ends_every_one(tmp_path):
     # The signal thread kills the children while _rank_launch, on the main thread, adds the next one.
     first, second = mock.Mock(pid=101), mock.Mock(pid=102)
     children = hydra_fsdp._ChildRanks(tmp_path, threading.Condition())
     children.add(1, first)
+    children.lock = lock = _TellsWhenWaitedOn()
     adding = threading.Thread(target=children.add, args=(2, second))
+    held_off = []
 
-    def rank_2_added_meanwhile():
+    def rank_2_added_meanwhile():  # while the signal thread kills rank 1
         adding.start()
-        adding.join(timeout=0.5)  # added now, unless the signal's end holds it off until it is done
+        held_off.append(lock.waited_on.wait(timeout=5))  # it waits for the signal's end to be done
 
     first.kill.side_effect = rank_2_added_meanwhile
     errors = []
@@ -676,6 +696,7 @@ def test_a_signal_while_children_are_being_started_ends_every_one(tmp_path):
     signal_thread.join(timeout=5)
     adding.join(timeout=5)
     assert errors == [None], "the signal's end of the children raised (dictionary changed size?)"
+    assert held_off == [True], "rank 2 was added while the signal's end went through the children"
     second.kill.assert_called_with()  # the rank started as the signal came is ended too
     assert children.stopped_by == signal.SIGTERM
 
