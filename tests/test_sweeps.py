@@ -37,7 +37,7 @@ SAME_MODULE = {  # test_fit_then_test_the_same_module, one per ckpt_path
     # two epochs, the first one "best": loading it is told apart from loading last, or nothing
     "same_best": {
         "trainer.enable_checkpointing": True,
-        "trainer.callbacks": ["${best_is_first}"],
+        "trainer.callbacks": ["${best_is_first}", "${keep_last}"],
         "trainer.max_epochs": 2,
         "stages": ["fit", "test:same:best"],
     },

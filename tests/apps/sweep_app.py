@@ -64,6 +64,17 @@ def shards_of(net, world):
     return {"flat": [float(flat[r * size : (r + 1) * size].sum()) for r in range(world)], "rows": rows}
 
 
+def tensor_parallel_shards_of(net, world=2):
+    """What each of ``world`` ranks of ShardedTiny's tensor parallelism (data_parallel_size=1) should hold
+    of ``net``'s full weights: the sum of each rank's part. ColwiseParallel splits net[0]'s weight and bias
+    along dim 0, RowwiseParallel net[2]'s weight along dim 1 and leaves its bias whole on every rank."""
+    parts = [float(net[2].bias.detach().double().sum())] * world
+    for param, dim in ((net[0].weight, 0), (net[0].bias, 0), (net[2].weight, 1)):
+        for rank, chunk in enumerate(torch.chunk(param.detach().double(), world, dim=dim)):
+            parts[rank] += float(chunk.sum())
+    return parts
+
+
 class Tiny(pl.LightningModule):
     def __init__(
         self,
@@ -195,6 +206,8 @@ class Tiny(pl.LightningModule):
             # a rank holding full weights (DDP): the sum of what each rank of a sharding strategy
             # should hold of them, FSDP's flat shards and FSDP2's rows, for its tests to compare with
             shards_should_hold=shards_of(self.net, self.trainer.world_size) if full_copy(self) else None,
+            # and of tensor parallelism over 2 ranks (as one device trains: every rank sees every batch)
+            tensor_parallel_should_hold=tensor_parallel_shards_of(self.net) if full_copy(self) else None,
             rank_zero_only_rank=pl.utilities.rank_zero_only.rank,
             strategy_namespace=type(self.trainer.strategy)._lightning.__name__,
             trainer_namespace=type(self.trainer).__module__.split(".trainer")[0],
@@ -358,10 +371,35 @@ Config = make_config(
     loaders_in_call=False,  # pass the dataloaders straight to trainer.fit/validate/...
     # for trainer.callbacks=[${keep_last}]: lets a stage load ckpt_path="last"
     keep_last=builds(pl.callbacks.ModelCheckpoint, save_last=True),
-    # for trainer.callbacks=[${best_is_first}]: "best" is the epoch of the highest validation loss, the
-    # first (training lowers it), so that loading best is told apart from loading last and from nothing
+    # for trainer.callbacks=[${best_is_first},${keep_last}]: "best" is the epoch of the highest validation
+    # loss, the first (training lowers it), so that loading best is told apart from loading last and from
+    # nothing. Its own file name, and no save_last: ModelCheckpoint writes last.ckpt only as it saves a
+    # checkpoint, so a monitored one's last.ckpt would be its best; keep_last's is the last epoch's. Listed
+    # first, it is the Trainer's checkpoint_callback, whose best ckpt_path="best" loads.
     best_is_first=builds(
-        pl.callbacks.ModelCheckpoint, save_last=True, monitor="val_loss", mode="max", save_top_k=1
+        pl.callbacks.ModelCheckpoint, monitor="val_loss", mode="max", save_top_k=1, filename="best-{epoch}"
+    ),
+    # for the cases of one shared sweep (tests/shared.py), which cannot add keys to trainer.strategy's typed
+    # node, nor replace it: the sweep passes trainer.strategy='${strategies.${strategies.use}}', and each
+    # case picks one and sets its arguments, e.g. {"strategies.use": "model_parallel",
+    # "strategies.model_parallel.data_parallel_size": 2}
+    strategies=make_config(
+        use=os.environ.get("APP_STRATEGY", "ddp"),
+        ddp=builds(HydraDDP, rank_timeout=60, timeout=builds(datetime.timedelta, seconds=1800)),
+        **(
+            {
+                "model_parallel": builds(
+                    HydraModelParallel,
+                    rank_timeout=60,
+                    timeout=builds(datetime.timedelta, seconds=1800),
+                    data_parallel_size="auto",
+                    tensor_parallel_size="auto",
+                    save_distributed_checkpoint=True,
+                )
+            }
+            if os.environ.get("APP_STRATEGY") == "model_parallel"
+            else {}
+        ),
     ),
 )
 
