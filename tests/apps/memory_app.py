@@ -33,7 +33,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from hydra.utils import instantiate
 from hydra_zen import builds, make_config, store
-from shapes import pl
+from shapes import live_descendants, pl
 
 from hydra_fsdp import HydraDDP, HydraFSDP, HydraModelParallel
 
@@ -173,6 +173,8 @@ def record_what_is_left():
         "group_alive_before_gc": group_alive_before,
         "group_alive_after_gc": [ref() is not None for ref in PREVIOUS_GROUP],
         "process_group": torch.distributed.is_initialized(),
+        # the processes below the sweep's as the job starts: no child rank of an earlier job among them
+        "alive": list(live_descendants()),
     }
     if frozen:
         gc.freeze()

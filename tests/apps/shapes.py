@@ -6,6 +6,7 @@ The app runs on the Lightning namespace APP_LIGHTNING names (default ``pytorch_l
 
 import importlib
 import os
+from pathlib import Path
 
 import torch
 
@@ -38,3 +39,22 @@ class Shapes(pl.LightningDataModule):
         return regression_data(seed=1, samples=48)
 
     train_dataloader = val_dataloader = test_dataloader = predict_dataloader = _data
+
+
+def live_descendants():
+    """Every live process below this one (a zombie is gone: it holds nothing), {pid: command line}."""
+    parent_of, cmdline = {}, {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            if fields[0] != "Z":
+                parent_of[int(entry.name)], cmdline[int(entry.name)] = int(fields[1]), command.strip()
+    found, frontier = {}, [os.getpid()]
+    while frontier:
+        frontier = [pid for pid, parent in parent_of.items() if parent in frontier and pid not in found]
+        found.update((pid, cmdline[pid]) for pid in frontier)
+    return found

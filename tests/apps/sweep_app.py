@@ -26,7 +26,7 @@ from hydra.experimental.callback import Callback
 from hydra.utils import get_original_cwd, instantiate
 from hydra_zen import builds, make_config, store
 from omegaconf import OmegaConf
-from shapes import QUIET_CPU_TRAINER, Shapes, pl, regression_data
+from shapes import QUIET_CPU_TRAINER, Shapes, live_descendants, pl, regression_data
 
 from hydra_fsdp import HydraDDP, HydraFSDP, HydraModelParallel
 
@@ -295,25 +295,6 @@ class RecordError(Callback):
         if job_return.status == JobStatus.FAILED:
             error = "".join(traceback.format_exception(job_return._return_value))
             (job_dir() / "error.txt").write_text(error + (job_dir() / "stderr.txt").read_text())
-
-
-def live_descendants():
-    """Every live process below this one (a zombie is gone: it holds nothing), {pid: command line}."""
-    parent_of, cmdline = {}, {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-            if fields[0] != "Z":
-                parent_of[int(entry.name)], cmdline[int(entry.name)] = int(fields[1]), command.strip()
-    found, frontier = {}, [os.getpid()]
-    while frontier:
-        frontier = [pid for pid, parent in parent_of.items() if parent in frontier and pid not in found]
-        found.update((pid, cmdline[pid]) for pid in frontier)
-    return found
 
 
 class RecordAlive(Callback):
