@@ -56,6 +56,24 @@ def template_sweep(tmp_path_factory):
     return template, proc
 
 
+def assert_ranks_hold_their_part(template, job_dir, lr, layout):
+    """Each rank of a sharded job (``layout``: "flat", HydraFSDP's; "rows", FSDP2's) holds, after fit and
+    at test, its part of the weights the DDP job of the same lr holds then (the same seed, the same
+    batches): each rank's own sum (local_weight_sum), not one reduced over the ranks."""
+    ddp_job = template / "sweep" / str({value: job for job, value in swept_jobs("ddp")}[lr])
+    for stage in ("fit", "test"):
+        seen, ddp = records(job_dir, stage), records(ddp_job, stage)[0]
+        if stage == "test":  # the same best checkpoint, by epoch
+            assert Path(seen[0]["ckpt_path"]).name == Path(ddp["ckpt_path"]).name, (seen[0], ddp)
+        should_hold = ddp["shards_should_hold"][layout]
+        for rank in (0, 1):
+            assert seen[rank]["local_weight_sum"] == pytest.approx(should_hold[rank], rel=1e-5, abs=1e-4), (
+                stage,
+                rank,
+                should_hold,
+            )
+
+
 @pytest.mark.parametrize("trainer", ["ddp", "fsdp"])
 def test_template_train_py_sweep(template_sweep, trainer):
     template, proc = template_sweep
@@ -77,6 +95,10 @@ def test_template_train_py_sweep(template_sweep, trainer):
         assert tested[0]["weight_sum"] == tested[1]["weight_sum"]
         if trainer == "fsdp":
             assert fit[0]["params_held"] + fit[1]["params_held"] == 321
+            assert_ranks_hold_their_part(template, job_dir, lr, "flat")
+        else:  # each rank its own full copy
+            for seen in (*fit.values(), *tested.values()):
+                assert seen["params_held"] == 321 and seen["local_weight_sum"] == seen["weight_sum"]
         # each job has its own checkpoints, and tested the best one on every rank
         checkpoints = sorted(p.name for p in (job_dir / "checkpoints").iterdir())
         assert "last.ckpt" in checkpoints and any(name.startswith("epoch_") for name in checkpoints)
@@ -109,6 +131,7 @@ def test_template_train_py_sweep_with_model_parallel(template_sweep):
             fit[0]["weight_sum"] == fit[1]["weight_sum"]
             and tested[0]["weight_sum"] == tested[1]["weight_sum"]
         )
+        assert_ranks_hold_their_part(template, job_dir, lr, "rows")
         best = tested[0]["ckpt_path"]
         assert best == tested[1]["ckpt_path"] and Path(best).is_dir(), "a distributed checkpoint, tested"
 

@@ -12,6 +12,20 @@ from lightning.pytorch import strategies
 _SHARDING = (strategies.FSDPStrategy, getattr(strategies, "ModelParallelStrategy", strategies.FSDPStrategy))
 
 
+def _shards_of(net, world):
+    """What each of ``world`` ranks of a sharding strategy should hold of ``net``'s full weights: the sum
+    of each rank's part. "flat": HydraFSDP's one unit, every parameter in one flat tensor, padded and split
+    evenly; "rows": FSDP2 (trainer=model_parallel's fully_shard), each parameter split along dim 0."""
+    params = [p.detach().double() for p in net.parameters()]
+    flat = torch.cat([p.flatten() for p in params])
+    size = -(-flat.numel() // world)
+    rows = [0.0] * world
+    for p in params:
+        for rank, chunk in enumerate(torch.chunk(p, world, dim=0)):
+            rows[rank] += float(chunk.sum())
+    return {"flat": [float(flat[r * size : (r + 1) * size].sum()) for r in range(world)], "rows": rows}
+
+
 class _RecordingModule(LightningModule):
     def forward(self, x):
         return self.net(x)
@@ -91,6 +105,11 @@ class _RecordingModule(LightningModule):
             "params_held": sum(p.numel() for p in held),
             "local_weight_sum": float(local_sum),
             "weight_sum": float(full_sum) if isinstance(trainer.strategy, _SHARDING) else float(local_sum),
+            # a rank holding the full weights (not sharded): what each rank of a sharding strategy should
+            # hold of them, for the tests to compare a sharded job's ranks with (local_weight_sum)
+            "shards_should_hold": None
+            if isinstance(trainer.strategy, _SHARDING)
+            else _shards_of(self.net, trainer.world_size),
         }
         out = Path(seen["output_dir"], "seen")
         out.mkdir(exist_ok=True)

@@ -1,5 +1,8 @@
 """Every stage after fit in one job, each loading a checkpoint fit wrote: validate the best,
-test one by its path, predict with the last. (The template's train.py tests the best only.)"""
+test one by its path (the second epoch's: with three epochs, neither the last nor the first, which is
+the best where the checkpoint callback's mode is max), predict with the last. Each loads other weights
+than the stage before it left: a load that loaded nothing shows. (The template's train.py tests the
+best only.)"""
 
 import os
 import sys
@@ -23,9 +26,9 @@ def main(cfg: DictConfig) -> None:
     logger = instantiate_loggers(cfg.get("logger"))
     trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=logger)
     trainer.fit(model=model, datamodule=datamodule)
-    first = min(Path(cfg.paths.output_dir, "checkpoints").glob("epoch_*"))
+    second = sorted(Path(cfg.paths.output_dir, "checkpoints").glob("epoch_*"))[1]
     trainer.validate(model=model, datamodule=datamodule, ckpt_path="best")
-    trainer.test(model=model, datamodule=datamodule, ckpt_path=str(first))
+    trainer.test(model=model, datamodule=datamodule, ckpt_path=str(second))
     trainer.predict(model=model, datamodule=datamodule, ckpt_path="last")
 
 
