@@ -70,16 +70,18 @@ def sweeps(tmp_path_factory):
         tmp = tmp_path_factory.mktemp(f"template-{launcher}")
         add(("template", launcher), template_project(tmp), *overrides, f"trainer={','.join(SWEPT)}",
             "model.lr=0.1", script="src/train.py")  # fmt: skip
-        tmp = tmp_path_factory.mktemp(f"yaml-{launcher}")
-        add(("yaml", launcher), yaml_project(tmp), *overrides, f"trainer.strategy._target_={SWEPT_TARGETS}",
-            "model.lr=0.1", script="train.py")  # fmt: skip
+        if launcher != "joblib":  # under joblib, the plain app's sweep is the cores test's, below
+            tmp = tmp_path_factory.mktemp(f"yaml-{launcher}")
+            add(("yaml", launcher), yaml_project(tmp), *overrides,
+                f"trainer.strategy._target_={SWEPT_TARGETS}", "model.lr=0.1", script="train.py")  # fmt: skip
     if FSDP_ON_CPU:  # the README's hydra-zen train.py (zen(train).hydra_main, HydraFSDP)
         readme = tmp_path_factory.mktemp("readme")
         (readme / "train.py").write_text(next(block for block in blocks("python") if "zen(train)" in block))
         add("zen", readme, *JOBLIB, "trainer.max_epochs=1,2", script="train.py")
     # 4 jobs x 2 ranks, 2 jobs at once: each job's share of the cores (the YAML app: its classes are
-    # in a module of its own, which a worker's Hydra can locate, unlike the sweep app's __main__.Tiny)
-    add("cores", yaml_project(tmp_path_factory.mktemp("cores")), *JOBLIB, "test=false",
+    # in a module of its own, which a worker's Hydra can locate, unlike the sweep app's __main__.Tiny);
+    # also the plain app under joblib (fit then test), in the jobs of lr 0.1
+    add("cores", yaml_project(tmp_path_factory.mktemp("cores")), *JOBLIB,
         f"trainer.strategy._target_={SWEPT_TARGETS}", f"model.lr={SWEPT_LR_VALUES}", script="train.py",
         env={"APP_MEET_IN": str(tmp_path_factory.mktemp("meeting"))})  # fmt: skip
     # the basic launcher, jobs of 2, 1 and 2 ranks: each its own thread count; the process's after
@@ -93,6 +95,7 @@ def sweeps(tmp_path_factory):
         started = [start_sweep(app, "module.lr=0.1,0.2", env=env) for app in two]
         wait_all(started)
     found = {name: (directory, run) for (name, directory), run in zip(names, runs)}
+    found["yaml", "joblib"] = found["cores"]
     found["one at a time"] = list(zip(two, started))
     return found
 
@@ -123,7 +126,9 @@ def test_plain_hydra_main_without_a_module_key_under_worker_launchers(sweeps, la
     project, proc = sweeps["yaml", launcher]
     ok(proc)
     for strategy in SWEPT:
-        job_dir = project / "sweep" / str(SWEPT.index(strategy))
+        # under joblib, the cores test's sweep, which sweeps the lrs too: its job of lr 0.1
+        job = swept_jobs(strategy)[0][0] if launcher == "joblib" else SWEPT.index(strategy)
+        job_dir = project / "sweep" / str(job)
         for stage in ("fit", "test"):
             seen = records(job_dir, stage)
             assert sorted(seen) == [0, 1], (job_dir, stage, proc.text()[-3000:])
