@@ -151,16 +151,13 @@ def _upstream_changed(name: str, why: str) -> RankLaunchError:
 
 def _launch_delay() -> float:
     raw = os.environ.get(LAUNCH_DELAY_ENV, str(DEFAULT_LAUNCH_DELAY))
-    try:
-        delay = float(raw)
-    except ValueError:
-        delay = math.nan
-    if not 0 <= delay < math.inf:
-        raise RankLaunchError(
-            f"{LAUNCH_DELAY_ENV}={raw!r} is not a number of seconds: expected a finite number >= 0"
-            f" (e.g. {LAUNCH_DELAY_ENV}=1, or 0 to start child ranks without a pause)."
-        )
-    return delay
+    with contextlib.suppress(ValueError):  # not a number: the same error as a number out of range
+        if 0 <= float(raw) < math.inf:
+            return float(raw)
+    raise RankLaunchError(
+        f"{LAUNCH_DELAY_ENV}={raw!r} is not a number of seconds: expected a finite number >= 0"
+        f" (e.g. {LAUNCH_DELAY_ENV}=1, or 0 to start child ranks without a pause)."
+    )
 
 
 def _hydra_job() -> dict | None:
@@ -807,12 +804,10 @@ def _gpu_inventory() -> dict:
     count, allowed = torch.cuda.device_count(), os.environ.get(_GPUS_ENV, "")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     names = visible.split(",")[:count] if visible else [str(index) for index in range(count)]
-    try:
+    with contextlib.suppress(ValueError):  # not numbers: the same error as numbers out of range
         indexes = [int(index) for index in allowed.split(",")] if allowed else range(count)
-    except ValueError:
-        indexes = [-1]
-    if all(0 <= index < count for index in indexes):
-        return {index: names[index] for index in indexes}
+        if all(0 <= index < count for index in indexes):
+            return {index: names[index] for index in indexes}
     raise RankLaunchError(
         f"{_GPUS_ENV}={allowed!r}: expected the numbers of GPUs a sweep's jobs may use, comma-separated,"
         f" each below the {count} torch sees here (e.g. {_GPUS_ENV}=0,1)."
