@@ -1930,12 +1930,11 @@ def _unsharded_while_pickled(modules: list, state_dict: dict, root: torch.nn.Mod
     """While the checkpoint is pickled, give ``modules`` (in ``root``) what DDP's would hold: each
     FSDP unit as the module it wraps (process groups do not pickle), each parameter as the tensor of rank
     0's full ``state_dict``."""
-    undo = []
-    try:
+    with contextlib.ExitStack() as undo:  # each change undone at the end, the last first
         for parent in [inner for module in modules for inner in module.modules()]:
             for key, child in list(parent.named_children()):
                 if isinstance(child, _fsdp().FullyShardedDataParallel):
-                    undo.append(functools.partial(setattr, parent, key, child))
+                    undo.callback(setattr, parent, key, child)
                     setattr(parent, key, child.module)
         names = {id(module): _unwrapped_name(name) for name, module in root.named_modules()}
         for module in modules:
@@ -1943,12 +1942,9 @@ def _unsharded_while_pickled(modules: list, state_dict: dict, root: torch.nn.Mod
                 key = ".".join(filter(None, (names[id(module)], _unwrapped_name(name))))
                 if key not in state_dict:
                     raise _upstream_changed(f"FSDP's name for a wrapped module ({key!r})", "find its weights")
-                undo.append(functools.partial(setattr, parameter, "data", parameter.data))
+                undo.callback(setattr, parameter, "data", parameter.data)
                 parameter.data = state_dict[key]
         yield
-    finally:
-        for step in reversed(undo):
-            step()
 
 
 def _unwrapped_name(name: str) -> str:
