@@ -270,7 +270,8 @@ class _ByReference(pickle.Pickler):
         while found is not None and found is not obj:
             found, wrappers = getattr(found, "__wrapped__", None), wrappers + 1
         if found is obj and wrappers:
-            return _unwrapped, (_attribute(obj.__module__, obj.__qualname__), wrappers)
+            under = operator.attrgetter(".".join(["__wrapped__"] * wrappers))  # picklable, as its path
+            return under, (_attribute(obj.__module__, obj.__qualname__),)
         if found is None and obj.__module__ == "__main__" and "<" not in obj.__qualname__:
             # A copy of something the launching script defines, pickled by value (cloudpickle) into a worker
             # (joblib's, submitit's) whose __main__ is the launcher's: a child finds it in the script itself.
@@ -295,12 +296,6 @@ def _attribute(module: str, qualname: str) -> Any:
         return functools.reduce(getattr, qualname.split("."), sys.modules[module])
     except (KeyError, AttributeError):
         return None
-
-
-def _unwrapped(wrapper: Any, wrappers: int) -> Callable:
-    for _ in range(wrappers):
-        wrapper = wrapper.__wrapped__
-    return wrapper
 
 
 def _main_file() -> str | None:
