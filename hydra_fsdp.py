@@ -695,12 +695,9 @@ def _claim(folder: Path, kind: str, inventory: list, count: int) -> _Claim:
             f" ({', '.join(inventory)}): ask for at most {len(inventory)}, or let them use more ({_GPUS_ENV}"
             " for GPUs, the process's CPU affinity for cores)."
         )
-    queue = os.open(folder / f"{kind}.queue", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
+    with os.fdopen(os.open(folder / f"{kind}.queue", os.O_RDWR | os.O_CREAT, 0o600)) as queue:
         fcntl.flock(queue, fcntl.LOCK_EX)  # waits in the kernel, and a signal interrupts it
         return _claim_in_turn(folder, kind, inventory, count)
-    finally:
-        os.close(queue)
 
 
 def _claim_in_turn(folder: Path, kind: str, inventory: list, count: int) -> _Claim:
