@@ -328,29 +328,23 @@ def _made_again(qualname: str, fields: list) -> type:
     return made
 
 
-class _Pickled(NamedTuple):
-    """A value pickled by reference for a child (None if it cannot be: ``why_not``), and the launching
-    script it found the value's ``__main__`` parts in, where this process's ``__main__`` is not it."""
-
-    data: bytes | None
-    why_not: str = ""
-    script: str | None = None
-
-
-def _pickled(value: Any, what: str, script: str | None = None) -> _Pickled:
+def _pickled(value: Any, what: str, script: str | None = None) -> tuple:
+    """``value`` pickled by reference for a child, or None if it cannot be; why not (else ""); and the
+    launching script it found the value's ``__main__`` parts in, where this process's ``__main__`` is not
+    it (else None)."""
     buffer = io.BytesIO()
     pickler = _ByReference(buffer, script)
     try:
         pickler.dump(value)
     except Exception as error:  # noqa: BLE001 - PicklingError, or what an object's own __reduce__ raises
-        return _Pickled(None, f"{what} cannot be pickled by reference: {error}")
+        return None, f"{what} cannot be pickled by reference: {error}", None
     if "__main__" in pickler.main_names and not (pickler.script or _launching_script()):
-        return _Pickled(
-            None,
+        why_not = (
             f"{what} needs __main__.{pickler.main_names['__main__']}, of an interactive session's"
-            " __main__, which a child rank cannot import",
+            " __main__, which a child rank cannot import"
         )
-    return _Pickled(buffer.getvalue(), script=pickler.script)
+        return None, why_not, None
+    return buffer.getvalue(), "", pickler.script
 
 
 def _write_launch(path: Path, hydra_job: dict, spec: "_LaunchSpec") -> bool:
