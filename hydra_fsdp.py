@@ -85,7 +85,8 @@ log = logging.getLogger(__name__)
 
 # The Lightning namespaces, by the name a user reaches them under (``hydra_fsdp.lightning.HydraDDP``).
 _NAMESPACES = {"pytorch_lightning": "pytorch_lightning", "lightning": "lightning.pytorch"}
-_PIP_NAMES = {"pytorch_lightning": "pytorch-lightning", "lightning": "lightning"}
+# Lightning Fabric's, by the package that holds it: ``hydra_fsdp.fabric.HydraDDP`` is on the one imported.
+_FABRIC_NAMESPACES = {"lightning_fabric": "lightning_fabric", "lightning": "lightning.fabric"}
 
 LAUNCH_DELAY_ENV = "MUSHIN_DDP_LAUNCH_DELAY"
 DEFAULT_LAUNCH_DELAY = 1.0
@@ -314,9 +315,8 @@ def _in_script(script: str, qualname: str, line: int | None) -> Any:
         found = getattr(found, "__wrapped__", None)
     if found is None:
         raise RankLaunchError(
-            f"A child rank cannot find {qualname} (line {line}) in {script}, where rank 0's copy of it was"
-            " defined: the script changed while the sweep ran, or defines it only when run as __main__."
-            f" {_WHERE_CLASSES_GO}"
+            f"A child rank cannot find {qualname} (line {line}) in {script}, where rank 0's was defined: the"
+            f" script changed while the sweep ran, or defines it only as __main__. {_WHERE_CLASSES_GO}"
         )
     return found
 
@@ -358,6 +358,10 @@ def _write_launch(path: Path, hydra_job: dict, spec: "_LaunchSpec") -> bool:
     if config is None:
         raise RankLaunchError(
             f"Child ranks cannot have this job's config: {why_not_config}. {_WHERE_CLASSES_GO}"
+        )
+    if task is None and spec.lightning.endswith("fabric"):
+        raise RankLaunchError(
+            f"Child ranks cannot run this job: {why_not}. Define it at the top level of an importable file."
         )
     if task is None:
         missing = [key for key in ("trainer", spec.module_key) if key not in task_cfg]
@@ -672,9 +676,8 @@ def _claims_folder() -> Path | None:
     if found.st_uid != os.getuid() or found.st_mode & 0o022:
         raise RankLaunchError(
             f"hydra_fsdp keeps its jobs' claims on devices in {folder}, which is not yours alone (owner uid"
-            f" {found.st_uid}, mode {found.st_mode & 0o777:o}; expected uid {os.getuid()}, writable by you"
-            f" only). Remove it, or name a folder of your own: {_CLAIMS_ENV}=<folder> ({_CLAIMS_ENV}=off"
-            " claims nothing)."
+            f" {found.st_uid}, mode {found.st_mode & 0o777:o}; expected {os.getuid()}, writable by you only)."
+            f" Remove it, or name a folder of your own: {_CLAIMS_ENV}=<folder> (or off: claim nothing)."
         )
     return folder
 
@@ -871,9 +874,8 @@ class _Sweep(Callback):
                 return job
             if job.released:
                 raise RankLaunchError(
-                    f"This job's ranks were started for a world size of {job.spec.world_size}, and a"
-                    f" Trainer of the same job now asks for {spec.world_size}. Give every Trainer of one"
-                    " job the same devices, num_nodes and strategy arguments."
+                    f"This job's ranks run world size {job.spec.world_size}; a Trainer of it now asks for"
+                    f" {spec.world_size}: give each the same devices, num_nodes and strategy arguments."
                 )
         return self.start_job(spec, hydra_job)
 
@@ -1028,9 +1030,8 @@ class _ChildRanks:
             except subprocess.TimeoutExpired:
                 self.unkillable.add(rank)
                 log.warning(
-                    f"hydra_fsdp: child rank {rank} (pid {proc.pid}) is still there {_KILL_WAIT:g} s"
-                    " after SIGKILL (uninterruptible sleep: a hung driver or file system?); the sweep goes"
-                    " on without it."
+                    f"hydra_fsdp: child rank {rank} (pid {proc.pid}) is still there {_KILL_WAIT:g} s after"
+                    " SIGKILL (uninterruptible sleep: a hung driver or file system?); the sweep goes on."
                 )
 
     def log(self, rank: int) -> Path:
@@ -1056,8 +1057,7 @@ class _ChildRanks:
                     raise self.failure(rank)
                 raise ChildRankError(
                     f"Child rank {rank} finished the job's task function while rank 0 still runs it, at a"
-                    " Trainer stage the child never reached: the task function took another path there."
-                    f" {self.describe(rank)}"
+                    f" stage the child never reached (it took another path). {self.describe(rank)}"
                 )
 
     def wait_until_exited(self, timeout: float) -> ChildRankError | None:
@@ -1066,8 +1066,8 @@ class _ChildRanks:
             late = self.running()
             self.end()
             return ChildRankError(
-                f"Child rank(s) {late} were still running {timeout:g} s after rank 0 finished the job and"
-                f" were ended. {self.describe(late[0])}"
+                f"Child rank(s) {late} were still running {timeout:g} s after rank 0 finished the job: ended."
+                f" {self.describe(late[0])}"
             )
         failed = self.first_failed()
         return None if failed is None else self.failure(failed)
@@ -1142,6 +1142,7 @@ class _Job:
         self.runs_task = True
         self.stages_announced = 0
         self.closing = contextlib.ExitStack()
+        self.close = self.closing.close  # undo what the job did, the last first
         atexit.register(self.close)  # a job that never reaches on_job_end (SystemExit) still ends
         self.closing.callback(self._forget)
         self.closing.callback(_restore_environ, {key: os.environ.get(key) for key in _JOB_ENV})
@@ -1207,8 +1208,7 @@ class _Job:
             self.children.end()
             raise ChildRankError(
                 f"Child rank(s) {late} did not reach the process group within {self.spec.rank_timeout:g} s"
-                f" and were ended. {self.children.describe(late[0])} Raise rank_timeout on the strategy"
-                " if they only start slowly."
+                f" and were ended. {self.children.describe(late[0])} Raise rank_timeout if they start slowly."
             )
         self.children.raise_if_any_exited()
 
@@ -1225,7 +1225,8 @@ class _Job:
             _wait_until(self.children.said, self.children.settled, _PEER_EXIT_GRACE)
             self.abort.for_rank = self.children.first_failed()
             if self.abort.for_rank is not None:
-                error = self.children.failure(self.abort.for_rank)
+                failure = self.children.failure(self.abort.for_rank)
+                failure.__cause__, error = error, failure
             else:  # rank 0's own error, or a collective that timed out on a child that hangs
                 self.children.end_saying_where_they_stood(error)
         self.children.end()
@@ -1247,12 +1248,10 @@ class _Job:
                     job_return.status = JobStatus.FAILED
                     job_return.return_value = failure
             else:  # rank 0 failed outside a stage (the public getter prints Hydra's error line again)
-                self.children.end_saying_where_they_stood(getattr(job_return, "_return_value", None))
+                # a child's failure that caused it (a collective that broke) is the job's error
+                job_return.return_value = self.error_for(getattr(job_return, "_return_value", None))
         finally:
             self.close()
-
-    def close(self) -> None:
-        self.closing.close()
 
     def _forget(self) -> None:
         atexit.unregister(self.close)
@@ -1427,8 +1426,12 @@ def _let_go_of_the_job(job_return: Any, wrapped: list) -> None:
     # end. Python 3.10 has no notes: there the whole chain is printed now, once, with its frames.
     if isinstance(error, BaseException) and not hasattr(error, "add_note"):
         traceback.print_exception(type(error), error, error.__traceback__)
-    while isinstance(error, BaseException) and error.__traceback__ is not None:  # the error, its causes
-        if hasattr(error, "add_note"):
+    # The error and its causes, to the end of the chain: a child's failure, never raised, has no traceback
+    # of its own, and its cause (rank 0's broken collective) does.
+    chain: list = []
+    while isinstance(error, BaseException) and error not in chain:
+        chain.append(error)
+        if hasattr(error, "add_note") and error.__traceback__ is not None:
             error.add_note(
                 "Traceback (most recent call last):\n" + "".join(traceback.format_tb(error.__traceback__))
             )
@@ -1529,7 +1532,9 @@ class _HydraRankLauncher:
         strategy._job_gpus = job.placement.gpus
         try:
             job.begin_stage(trainer, call)
-            with job.stage():
+            if trainer is None and not job.abort.in_stage:  # Fabric: from launch() to the job's end
+                job.closing.enter_context(job.abort.stage())
+            with job.stage() if trainer is not None else contextlib.nullcontext():
                 return function(*args, **kwargs)
         except BaseException as error:
             job_error = job.error_for(error)
@@ -1548,11 +1553,10 @@ def _check_launched_world_size(num_nodes: int, devices: int) -> None:
     launched = os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS")
     if launched is not None and int(launched) != num_nodes * devices:
         raise RankLaunchError(
-            f"The external launcher started {launched} processes (world size), but the Trainer expects"
+            f"The external launcher started {launched} processes (world size), but the strategy expects"
             f" num_nodes x devices = {num_nodes} x {devices} = {num_nodes * devices}. Start one process per"
             " device on every node (torchrun --nnodes=<num_nodes> --nproc-per-node=<devices>, or SLURM"
-            " --nodes=<num_nodes> --ntasks-per-node=<devices>), or set the Trainer's num_nodes and devices"
-            " to match."
+            " --nodes=<num_nodes> --ntasks-per-node=<devices>), or set num_nodes and devices to match."
         )
 
 
@@ -1580,18 +1584,32 @@ def _check_ranks_agree(strategy: "_HydraStrategy") -> None:
     ]
     more = len(differing) - _DIFFERENCES_SHOWN
     raise RankLaunchError(
-        f"The ranks of this job are about to run different things in trainer.{mine['stage']}(), and"
+        f"The ranks of this job are about to run different things in {mine['stage']}, and"
         " would deadlock on their first different collective; they disagree on it:\n"
         + "\n".join(differences)
         + (f"\n  ... and {more} more" if more > 0 else "")
-        + "\nBuild the same trainer, module and data on every rank (no `if rank == 0` around callbacks or"
-        " loggers). Under torchrun or SLURM every process resolves the config itself: no ${now:...} or"
-        " random values in hydra.sweep.dir, hydra.run.dir or the config; use a value the launcher gives"
-        " every process alike, e.g. hydra.sweep.dir=multirun/${oc.env:SLURM_JOB_ID}."
+        + "\nBuild the same trainer (or Fabric), module and data on every rank (no `if rank == 0` around"
+        " callbacks or loggers). Under torchrun or SLURM every process resolves the config itself: no"
+        " ${now:...} or random values in hydra.sweep.dir, hydra.run.dir or the config; use a value the"
+        " launcher gives every process alike, e.g. hydra.sweep.dir=multirun/${oc.env:SLURM_JOB_ID}."
     )
 
 
 def _what_this_rank_runs(strategy: "_HydraStrategy") -> dict:
+    """What this rank is about to run: the job, the strategy, and a Trainer's stage, parts and module, or the
+    Fabric's precision (a Fabric has no stages: its ranks compare what they built as it launches)."""
+    hydra_job = _hydra_job()
+    output_dir = HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else None
+    seen = {
+        "strategy": type(strategy).__qualname__,
+        "devices": f"{strategy.num_nodes} x {strategy.num_processes}",
+        "hydra.runtime.output_dir": output_dir,
+        "config": None if hydra_job is None else _resolved_where_possible(hydra_job["task_cfg"]),
+        "config types": None if hydra_job is None else _types_of(hydra_job["task_cfg"]),
+    }
+    if strategy._lightning.__name__.endswith("fabric"):
+        precision = f"{type(strategy.precision).__qualname__} {strategy.precision.precision}"
+        return {"stage": "fabric.launch()", "precision": precision, **seen}
     module = strategy.lightning_module
     trainer = module.trainer
     # an FSDP module that ran a stage holds its shard: shapes differ by rank, by design
@@ -1599,12 +1617,10 @@ def _what_this_rank_runs(strategy: "_HydraStrategy") -> dict:
     shapes = [
         (name, tuple(p.shape) if full else "sharded", str(p.dtype)) for name, p in module.named_parameters()
     ]
-    hydra_job = _hydra_job()
-    output_dir = HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else None
     settings = ["max_epochs", "max_steps", "accumulate_grad_batches", "precision"]
     settings += [f"limit_{loop}_batches" for loop in ("train", "val", "test", "predict")]
     return {
-        "stage": trainer.state.fn.value,
+        "stage": f"trainer.{trainer.state.fn.value}()",
         "callbacks": sorted(type(callback).__qualname__ for callback in trainer.callbacks),
         "loggers": sorted(type(logger).__qualname__ for logger in trainer.loggers),
         **{name: getattr(trainer, name) for name in settings},
@@ -1614,9 +1630,7 @@ def _what_this_rank_runs(strategy: "_HydraStrategy") -> dict:
         + f", shapes #{hashlib.sha1(repr(shapes).encode()).hexdigest()[:8]}",
         "datamodule": None if trainer.datamodule is None else type(trainer.datamodule).__qualname__,
         "ckpt_path": None if strategy._stage_ckpt_path is None else str(strategy._stage_ckpt_path),
-        "hydra.runtime.output_dir": output_dir,
-        "config": None if hydra_job is None else _resolved_where_possible(hydra_job["task_cfg"]),
-        "config types": None if hydra_job is None else _types_of(hydra_job["task_cfg"]),
+        **seen,
     }
 
 
@@ -1634,6 +1648,7 @@ def _flat(tree: Any, prefix: str = "") -> dict:
 
 
 # The oldest releases, as pyproject.toml declares them: below them hydra_fsdp refuses to build a strategy.
+# (lightning-fabric: the release of the pytorch-lightning that installs it)
 _MINIMUM_VERSIONS = {"torch": "2.3", "hydra-core": "1.3.0", "pytorch-lightning": "2.2", "lightning": "2.2"}
 
 
@@ -1668,7 +1683,7 @@ def _check_versions(lightning: types.ModuleType, strategy: str) -> None:
     import hydra
 
     package = lightning.__name__.split(".")[0]
-    lightning_name = _PIP_NAMES[package]
+    lightning_name = package.replace("_", "-")  # its pip name
     found = {lightning_name: sys.modules[package].__version__}
     found |= {"torch": torch.__version__, "hydra-core": hydra.__version__}
     needs = [("hydra_fsdp", _MINIMUM_VERSIONS, "")]
@@ -1709,8 +1724,7 @@ class _HydraStrategy:
     ) -> None:
         if type(rank_timeout) is bool or not isinstance(rank_timeout, (int, float)) or not rank_timeout > 0:
             raise ValueError(
-                f"rank_timeout={rank_timeout!r}: expected a number of seconds > 0"
-                f" (default {DEFAULT_RANK_TIMEOUT:g})."
+                f"rank_timeout={rank_timeout!r}: expected seconds > 0 (default {DEFAULT_RANK_TIMEOUT:g})."
             )
         config_keys = {"module_key": module_key, "datamodule_key": datamodule_key}
         for name, key in config_keys.items():
@@ -1773,8 +1787,7 @@ class _HydraFSDP(_HydraStrategy):
         # A module sharded by an earlier stage (fit, then test) keeps its wrapper: Lightning would wrap
         # its shards again (Lightning issue #19015).
         if not self._holds_sharded(model):
-            self._sharded = self._wrapped(model)
-            _sweep.wrapped.append(self._sharded)
+            self._sharded = _sharded(self, model, super()._setup_model, self.kwargs)
         return self._sharded
 
     def _holds_full_parameters(self) -> bool:
@@ -1782,29 +1795,6 @@ class _HydraFSDP(_HydraStrategy):
 
     def _holds_sharded(self, model: torch.nn.Module) -> bool:
         return isinstance(self._sharded, _fsdp().FullyShardedDataParallel) and self._sharded.module is model
-
-    def _wrapped(self, model: torch.nn.Module) -> torch.nn.Module:
-        fsdp = _fsdp()
-        already_wrapped = any(isinstance(m, fsdp.FullyShardedDataParallel) for m in model.modules())
-        if self.root_device.type != "cpu" or already_wrapped:
-            return super()._setup_model(model)
-        # Lightning passes device_id=None on CPU, and torch's FSDP then looks for an accelerator.
-        wrapped = fsdp.FullyShardedDataParallel(
-            module=model,
-            cpu_offload=self.cpu_offload,
-            mixed_precision=self.mixed_precision_config,
-            sharding_strategy=self.sharding_strategy,
-            device_id=self.root_device,
-            **self.kwargs,
-        )
-        # Lightning warns about an auto_wrap_policy given with a model wrapped already, and drops it: the
-        # wrapper above applied it, so Lightning is not shown it (and it is put back for the next stage).
-        auto_wrap_policy = self.kwargs.pop("auto_wrap_policy", None)
-        try:
-            return super()._setup_model(wrapped)
-        finally:
-            if auto_wrap_policy is not None:
-                self.kwargs["auto_wrap_policy"] = auto_wrap_policy
 
     def lightning_module_state_dict(self) -> dict:
         if not self._full_state_dict_on_cpu():
@@ -1893,6 +1883,33 @@ class _HydraFSDP(_HydraStrategy):
 
     def _full_state_dict_on_cpu(self) -> bool:
         return self._state_dict_type == "full" and self.root_device.type == "cpu"
+
+
+def _sharded(strategy: Any, model: torch.nn.Module, setup: Callable, kwargs: dict) -> torch.nn.Module:
+    """``setup(model)``, Lightning's wrapping of the model in FSDP (the Trainer's or Fabric's), made to work
+    on the CPU too, and kept for the job's end to free (``_sweep.wrapped``). Lightning passes FSDP
+    device_id=None on the CPU, and torch's FSDP then looks for an accelerator: there the model is wrapped
+    here, with the CPU device, and Lightning is handed the wrapper."""
+    fsdp = _fsdp()
+    wrapping = strategy.root_device.type == "cpu"
+    if wrapping and not any(isinstance(m, fsdp.FullyShardedDataParallel) for m in model.modules()):
+        model = fsdp.FullyShardedDataParallel(
+            module=model,
+            cpu_offload=strategy.cpu_offload,
+            mixed_precision=strategy.mixed_precision_config,
+            sharding_strategy=strategy.sharding_strategy,
+            device_id=strategy.root_device,
+            **kwargs,
+        )
+    # Lightning warns about an auto_wrap_policy given with a model wrapped already, and drops it: the
+    # wrapper above applied it, so Lightning is not shown it (and it is put back for the next stage).
+    auto_wrap_policy = kwargs.pop("auto_wrap_policy", None) if wrapping else None
+    try:
+        _sweep.wrapped.append(setup(model))
+        return _sweep.wrapped[-1]
+    finally:
+        if auto_wrap_policy is not None:
+            kwargs["auto_wrap_policy"] = auto_wrap_policy
 
 
 def _metadata_file(checkpoint: Path) -> Path:
@@ -1997,47 +2014,72 @@ class _HydraModelParallel(_HydraStrategy):
         return checkpoint
 
 
+# ---------- Lightning Fabric's strategies
+
+
+class _HydraFabricStrategy(_HydraStrategy):
+    """What a Fabric's strategy adds: the ranks compare the Fabric they built; ``launch()`` starts the job's
+    ranks as a Trainer's first stage does, and they then run until the job's end (Fabric has no stages)."""
+
+    def __repr__(self) -> str:
+        return f"<{__name__}.{type(self).__qualname__}: for a {self._lightning.__name__}.Fabric>"
+
+
+class _HydraFabricFSDP(_HydraFabricStrategy):
+    """A Fabric's HydraFSDP: sharding on the CPU too, and its wrappers freed at the job's end."""
+
+    def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return _sharded(self, module, super().setup_module, self._fsdp_kwargs)
+
+
 # ---------- the public classes, on the Lightning namespace in use
 
 
 @functools.cache
-def _strategies_for(namespace: str) -> types.SimpleNamespace:
-    """Build the strategies on one Lightning namespace: each Trainer takes only its own."""
+def _strategies_for(namespace: str, fabric: bool = False) -> types.SimpleNamespace:
+    """Build the strategies on one Lightning namespace, the Trainer's or (``fabric``) Fabric's: each Trainer
+    or Fabric takes only its own."""
+    prefix = "fabric" if fabric else namespace
     try:
-        lightning = importlib.import_module(_NAMESPACES[namespace])
+        lightning = importlib.import_module((_FABRIC_NAMESPACES if fabric else _NAMESPACES)[namespace])
     except ImportError as error:
         raise ImportError(
-            f"hydra_fsdp.{namespace} needs the {_PIP_NAMES[namespace]} package, which is not installed:"
-            f" pip install {_PIP_NAMES[namespace]}."
+            f"hydra_fsdp.{prefix} needs the {namespace.replace('_', '-')} package, which is not installed:"
+            f" pip install {namespace.replace('_', '-')}."
         ) from error
     strategies = lightning.strategies
-    setup_model = getattr(strategies.FSDPStrategy, "_setup_model", None)
-    if not callable(setup_model) or setup_model is getattr(strategies.Strategy, "_setup_model", None):
-        raise _upstream_changed(
-            f"{_NAMESPACES[namespace]}'s FSDPStrategy._setup_model", "wrap the module once"
-        )
+    # < 2.4: a concrete stand-in (ParallelStrategy is abstract), refused
+    model_parallel = getattr(strategies, "ModelParallelStrategy", strategies.DDPStrategy)
 
     def build(public: type, *bases: type) -> type:
-        qualname = f"{namespace}.{public.__name__}"
+        qualname = f"{prefix}.{public.__name__}"
         attributes = {"__module__": __name__, "__qualname__": qualname, "__doc__": public.__doc__}
         return type(public.__name__, bases, {**attributes, "_lightning": lightning})
 
-    # < 2.4: a concrete stand-in (ParallelStrategy is abstract), refused
-    model_parallel = getattr(strategies, "ModelParallelStrategy", strategies.DDPStrategy)
+    setup_model = getattr(strategies.FSDPStrategy, "_setup_model", None)
+    if not fabric and (
+        not callable(setup_model) or setup_model is getattr(strategies.Strategy, "_setup_model", None)
+    ):
+        raise _upstream_changed(
+            f"{_NAMESPACES[namespace]}'s FSDPStrategy._setup_model", "wrap the module once"
+        )
     return types.SimpleNamespace(
-        HydraDDP=build(HydraDDP, _HydraStrategy, strategies.DDPStrategy),
-        HydraFSDP=build(HydraFSDP, _HydraFSDP, strategies.FSDPStrategy),
-        HydraModelParallel=build(HydraModelParallel, _HydraModelParallel, model_parallel),
+        HydraDDP=build(HydraDDP, _HydraFabricStrategy if fabric else _HydraStrategy, strategies.DDPStrategy),
+        HydraFSDP=build(HydraFSDP, _HydraFabricFSDP if fabric else _HydraFSDP, strategies.FSDPStrategy),
+        HydraModelParallel=build(
+            HydraModelParallel, _HydraFabricStrategy if fabric else _HydraModelParallel, model_parallel
+        ),
     )
 
 
-def _namespace_in_use() -> str:
-    """The Lightning namespace the program imported, which its Trainer comes from (Hydra imports a Trainer's
-    class before it builds its strategy); where both or neither are imported, the first installed."""
-    imported = [namespace for namespace, package in _NAMESPACES.items() if package in sys.modules]
+def _namespace_in_use(namespaces: dict = _NAMESPACES) -> str:
+    """The Lightning namespace the program imported, which its Trainer (or Fabric) comes from (Hydra imports
+    a Trainer's class before it builds its strategy); where both or neither are imported, the first
+    installed."""
+    imported = [namespace for namespace, package in namespaces.items() if package in sys.modules]
     if len(imported) == 1:
         return imported[0]
-    for namespace, package in _NAMESPACES.items():
+    for namespace, package in namespaces.items():
         if importlib.util.find_spec(package.split(".")[0]) is not None:
             return namespace
     raise ImportError(
@@ -2054,10 +2096,9 @@ class _OfTheLightningImported(type):
         return getattr(_strategies_for(_namespace_in_use()), cls.__name__)(*args, **kwargs)
 
     def __instancecheck__(cls, instance: Any) -> bool:
+        # one of the classes _strategies_for built under this name, on any namespace, or a subclass of one
         return any(
-            isinstance(instance, getattr(_strategies_for(namespace), cls.__name__))
-            for namespace, package in _NAMESPACES.items()
-            if package in sys.modules  # a strategy of a namespace not imported cannot exist
+            base.__module__ == __name__ and base.__name__ == cls.__name__ for base in type(instance).__mro__
         )
 
 
@@ -2078,9 +2119,13 @@ class HydraModelParallel(metaclass=_OfTheLightningImported):
 
 
 def __getattr__(name: str) -> Any:
-    """``hydra_fsdp.lightning`` and ``hydra_fsdp.pytorch_lightning``, built on first use."""
+    """``hydra_fsdp.lightning`` and ``hydra_fsdp.pytorch_lightning``, built on first use; and
+    ``hydra_fsdp.fabric``: the same three for a Fabric, on ``lightning.fabric`` or ``lightning_fabric``,
+    whichever the program imported."""
     if name in _NAMESPACES:
         return _strategies_for(name)
+    if name == "fabric":
+        return _strategies_for(_namespace_in_use(_FABRIC_NAMESPACES), True)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

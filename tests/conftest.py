@@ -34,6 +34,7 @@ LONGEST_FIRST = [
     "test_abort",  # 41
     "test_hydra_fsdp",  # 23
     "test_template",  # 12
+    "test_fabric",  # 25
     "test_readme",  # 9
     "test_teardown",  # 4
 ]

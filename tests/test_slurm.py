@@ -181,7 +181,7 @@ def test_slurm_fewer_tasks_than_devices_fails_fast(app, cluster):
     error = proc.stderr
     # hydra_fsdp's own check (_check_launched_world_size), which runs before Lightning's (its
     # SLURMEnvironment.validate_settings names --ntasks-per-node too)
-    own = "RankLaunchError: The external launcher started 1 processes (world size), but the Trainer expects"
+    own = "RankLaunchError: The external launcher started 1 processes (world size), but the strategy expects"
     assert own in error, failure_report(proc, app, cluster)
     assert "num_nodes x devices = 1 x 2 = 2" in error, failure_report(proc, app, cluster)
     assert not records(app / "sweep" / "0")
