@@ -1891,8 +1891,9 @@ def _sharded(strategy: Any, model: torch.nn.Module, setup: Callable, kwargs: dic
     device_id=None on the CPU, and torch's FSDP then looks for an accelerator: there the model is wrapped
     here, with the CPU device, and Lightning is handed the wrapper."""
     fsdp = _fsdp()
-    wrapping = strategy.root_device.type == "cpu"
-    if wrapping and not any(isinstance(m, fsdp.FullyShardedDataParallel) for m in model.modules()):
+    wrapped = any(isinstance(m, fsdp.FullyShardedDataParallel) for m in model.modules())
+    wrapping = strategy.root_device.type == "cpu" and not wrapped
+    if wrapping:
         model = fsdp.FullyShardedDataParallel(
             module=model,
             cpu_offload=strategy.cpu_offload,
@@ -1903,6 +1904,7 @@ def _sharded(strategy: Any, model: torch.nn.Module, setup: Callable, kwargs: dic
         )
     # Lightning warns about an auto_wrap_policy given with a model wrapped already, and drops it: the
     # wrapper above applied it, so Lightning is not shown it (and it is put back for the next stage).
+    # A model the user wrapped keeps the warning: the policy was not applied.
     auto_wrap_policy = kwargs.pop("auto_wrap_policy", None) if wrapping else None
     try:
         _sweep.wrapped.append(setup(model))

@@ -1067,3 +1067,32 @@ def test_closing_a_server_stuck_on_a_child_is_bounded(monkeypatch):
     finally:
         server.proc.kill()
         server.proc.wait()
+
+
+@pytest.mark.parametrize("wrapped_by_the_user", [False, True])
+def test_fsdp_on_the_cpu_hides_the_wrap_policy_from_lightning_only_where_it_applied_it(
+    monkeypatch, wrapped_by_the_user
+):
+    """On the CPU HydraFSDP wraps the model itself with the policy, so Lightning must not see the policy
+    (it would warn that it ignores it); a model the user wrapped keeps Lightning's warning, and the
+    policy is there again for the next stage either way."""
+
+    class FullyShardedDataParallel(torch.nn.Module):
+        def __init__(self, module, **kwargs):
+            super().__init__()
+            self.module, self.kwargs = module, kwargs
+
+    monkeypatch.setattr(
+        hydra_fsdp, "_fsdp", lambda: SimpleNamespace(FullyShardedDataParallel=FullyShardedDataParallel)
+    )
+    monkeypatch.setattr(hydra_fsdp._sweep, "wrapped", [])
+    strategy = SimpleNamespace(
+        root_device=torch.device("cpu"), cpu_offload=None, mixed_precision_config=None, sharding_strategy=None
+    )
+    model = torch.nn.Linear(2, 1)
+    model = FullyShardedDataParallel(model) if wrapped_by_the_user else model
+    kwargs, seen = {"auto_wrap_policy": "policy"}, []
+    result = hydra_fsdp._sharded(strategy, model, lambda m: seen.append(dict(kwargs)) or m, kwargs)
+    assert isinstance(result, FullyShardedDataParallel) and hydra_fsdp._sweep.wrapped == [result]
+    assert (result is model) == wrapped_by_the_user
+    assert seen == [kwargs if wrapped_by_the_user else {}] and kwargs == {"auto_wrap_policy": "policy"}
