@@ -274,8 +274,16 @@ def ok(proc):
 def copy_app(directory):
     """Put the sweep app and its sibling module in ``directory``, as a user's project would be."""
     directory.mkdir(parents=True, exist_ok=True)
-    for name in ("sweep_app.py", "shapes.py"):
+    for name in ("sweep_app.py", "shapes.py", "shards.py"):
         shutil.copy(APPS / name, directory / ("app.py" if name == "sweep_app.py" else name))
+    return directory
+
+
+def copy_template(directory):
+    """Put the lightning-hydra-template-shaped project in ``directory``, with the module it shares with
+    the sweep app (src/shards.py)."""
+    shutil.copytree(APPS / "template", directory)
+    shutil.copy(APPS / "shards.py", directory / "src" / "shards.py")
     return directory
 
 

@@ -23,14 +23,13 @@ user's own way to allow it, and one test checks the refusal.
 """
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import APPS, Run, app_env, ok, records, run, wait_all
+from helpers import Run, app_env, copy_template, ok, records, run, wait_all
 from shared import case_overrides, nothing_outlives
 
 pytestmark = pytest.mark.fsdp_cpu  # every test loads what HydraFSDP wrote on the CPU
@@ -162,7 +161,7 @@ def written(tmp_path_factory):
     """The template, and two sweeps side by side: one that wrote a checkpoint of each strategy x model,
     and one of the template's stages.py, a job for each trainer of STAGED (it loads only what it wrote).
     {"project": the template's root, "staged": ({trainer: job dir}, its Run)}"""
-    root = Path(shutil.copytree(APPS / "template", tmp_path_factory.mktemp("ckpt") / "project"))
+    root = copy_template(tmp_path_factory.mktemp("ckpt") / "project")
     with nothing_outlives("the sweeps that write the checkpoints"):
         runs = scripts_at_once(root, {
             "project": ("train", ["-m", "hydra.sweep.dir=sweep", "trainer=ddp,fsdp,fsdp_sharded,fsdp_wrapped",

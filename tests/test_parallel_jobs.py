@@ -27,6 +27,7 @@ from helpers import (
     SWEPT_LR_VALUES,
     SWEPT_TARGETS,
     copy_app,
+    copy_template,
     ok,
     records,
     run_side_by_side,
@@ -47,10 +48,6 @@ LAUNCHERS = {"joblib": JOBLIB, "submitit_local": SUBMITIT_LOCAL}
 FALLBACK_WARNING = "child ranks build the config's trainer and module"
 
 
-def template_project(tmp):
-    return Path(shutil.copytree(APPS / "template", tmp / "template"))
-
-
 def yaml_project(tmp):
     return Path(shutil.copytree(APPS / "yaml_app", tmp / "yaml_app"))
 
@@ -68,7 +65,7 @@ def sweeps(tmp_path_factory):
 
     for launcher, overrides in LAUNCHERS.items():
         tmp = tmp_path_factory.mktemp(f"template-{launcher}")
-        add(("template", launcher), template_project(tmp), *overrides, f"trainer={','.join(SWEPT)}",
+        add(("template", launcher), copy_template(tmp / "template"), *overrides, f"trainer={','.join(SWEPT)}",
             "model.lr=0.1", script="src/train.py")  # fmt: skip
         if launcher != "joblib":  # under joblib, the plain app's sweep is the cores test's, below
             tmp = tmp_path_factory.mktemp(f"yaml-{launcher}")

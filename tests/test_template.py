@@ -8,13 +8,11 @@ and run all of it, as rank 0 does.
 """
 
 import csv
-import shutil
 import sys
 from pathlib import Path
 
 import pytest
 from helpers import (
-    APPS,
     MODEL_PARALLEL,
     MODEL_PARALLEL_REASON,
     SWEPT,
@@ -22,6 +20,7 @@ from helpers import (
     SWEPT_LR_VALUES,
     SWEPT_LRS,
     app_env,
+    copy_template,
     ok,
     records,
     run,
@@ -46,7 +45,7 @@ MODEL_PARALLEL_JOBS = (
 def template_sweep(tmp_path_factory):
     """The template project, swept once over every trainer config (named as the strategies, and the
     README's) and lr; and its run."""
-    template = Path(shutil.copytree(APPS / "template", tmp_path_factory.mktemp("template") / "project"))
+    template = copy_template(tmp_path_factory.mktemp("template") / "project")
     (template / "configs" / "trainer" / "readme.yaml").write_text(blocks("yaml")[0])
     command = [sys.executable, "src/train.py", "-m", "hydra.sweep.dir=sweep"]
     trainers = [*SWEPT, "readme"] + ["model_parallel"] * MODEL_PARALLEL

@@ -27,6 +27,7 @@ from hydra.utils import get_original_cwd, instantiate
 from hydra_zen import builds, make_config, store
 from omegaconf import OmegaConf
 from shapes import QUIET_CPU_TRAINER, Shapes, live_descendants, pl, regression_data
+from shards import shards_of
 
 from hydra_fsdp import HydraDDP, HydraFSDP, HydraModelParallel
 
@@ -48,20 +49,6 @@ def full_copy(module):
     """Whether this rank holds every parameter whole (DDP, one rank), not a shard of it."""
     held = [getattr(p, "to_local", lambda p=p: p)() for p in module.trainer.model.parameters()]
     return sum(p.numel() for p in held) == module.params_total
-
-
-def shards_of(net, world):
-    """What each of ``world`` ranks should hold of ``net``'s full weights, by sharding strategy: the sum
-    of each rank's part. "flat": HydraFSDP's one unit, all parameters in one flat tensor, padded and
-    split evenly; "rows": FSDP2 (HydraModelParallel's fully_shard), each parameter split along dim 0."""
-    params = [p.detach().double() for p in net.parameters()]
-    flat = torch.cat([p.flatten() for p in params])
-    size = -(-flat.numel() // world)
-    rows = [0.0] * world
-    for p in params:
-        for rank, chunk in enumerate(torch.chunk(p, world, dim=0)):
-            rows[rank] += float(chunk.sum())
-    return {"flat": [float(flat[r * size : (r + 1) * size].sum()) for r in range(world)], "rows": rows}
 
 
 def tensor_parallel_shards_of(net, world=2):

@@ -9,21 +9,9 @@ from hydra.core.hydra_config import HydraConfig
 from lightning import LightningModule
 from lightning.pytorch import strategies
 
+from src.shards import shards_of
+
 _SHARDING = (strategies.FSDPStrategy, getattr(strategies, "ModelParallelStrategy", strategies.FSDPStrategy))
-
-
-def _shards_of(net, world):
-    """What each of ``world`` ranks of a sharding strategy should hold of ``net``'s full weights: the sum
-    of each rank's part. "flat": HydraFSDP's one unit, every parameter in one flat tensor, padded and split
-    evenly; "rows": FSDP2 (trainer=model_parallel's fully_shard), each parameter split along dim 0."""
-    params = [p.detach().double() for p in net.parameters()]
-    flat = torch.cat([p.flatten() for p in params])
-    size = -(-flat.numel() // world)
-    rows = [0.0] * world
-    for p in params:
-        for rank, chunk in enumerate(torch.chunk(p, world, dim=0)):
-            rows[rank] += float(chunk.sum())
-    return {"flat": [float(flat[r * size : (r + 1) * size].sum()) for r in range(world)], "rows": rows}
 
 
 class _RecordingModule(LightningModule):
@@ -109,7 +97,7 @@ class _RecordingModule(LightningModule):
             # hold of them, for the tests to compare a sharded job's ranks with (local_weight_sum)
             "shards_should_hold": None
             if isinstance(trainer.strategy, _SHARDING)
-            else _shards_of(self.net, trainer.world_size),
+            else shards_of(self.net, trainer.world_size),
         }
         out = Path(seen["output_dir"], "seen")
         out.mkdir(exist_ok=True)
