@@ -895,11 +895,6 @@ class _Sweep(Callback):
             self.fork_server = _ForkServer(lightning, self.said)
         return self.fork_server
 
-    def close_fork_server(self) -> None:
-        if self.fork_server is not None:
-            self.fork_server.close()
-            self.fork_server = None
-
     def new_store(self, address: str) -> torch.distributed.TCPStore:
         """A job's store, which init_process_group reuses, on a port no earlier job had: torch's cache
         of stores by port would hide it behind an earlier job's dead one (EADDRINUSE)."""
@@ -948,7 +943,9 @@ class _Sweep(Callback):
             self.froze = False
 
     def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
-        self.close_fork_server()
+        if self.fork_server is not None:
+            self.fork_server.close()
+            self.fork_server = None
 
     on_multirun_end = on_run_end
 
@@ -971,8 +968,7 @@ class _StageAbort:
 
     @contextlib.contextmanager
     def stage(self) -> Any:
-        with self.lock:
-            self.in_stage = True
+        self.in_stage = True  # an abort that reads False is one for no stage: it aborts nothing
         try:
             yield
         finally:
@@ -1764,9 +1760,8 @@ class _HydraStrategy:
         return True
 
     def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
-        job = _sweep.job
-        if job is not None:  # never a checkpoint of a stage whose process group was aborted
-            job.raise_if_aborted()
+        if _sweep.job is not None:  # never a checkpoint of a stage whose process group was aborted
+            _sweep.job.raise_if_aborted()
         super().save_checkpoint(*args, **kwargs)
 
 
@@ -1797,10 +1792,8 @@ class _HydraFSDP(_HydraStrategy):
         return isinstance(self._sharded, _fsdp().FullyShardedDataParallel) and self._sharded.module is model
 
     def lightning_module_state_dict(self) -> dict:
-        if not self._full_state_dict_on_cpu():
+        with _full_state_gathered_in_place(self):
             return super().lightning_module_state_dict()
-        with _full_state_dict_in_place(self.model):
-            return self.model.state_dict()
 
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any = None) -> None:
         # An nn.Module kept in the hyperparameters would be pickled sharded, which no loader can put back:
@@ -1869,20 +1862,8 @@ class _HydraFSDP(_HydraStrategy):
         optimizer.load_state_dict(to_load(model=self.model, optim=optimizer, optim_state_dict=state))
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
-        if not self._full_state_dict_on_cpu():
+        with _full_state_gathered_in_place(self):
             return super().optimizer_state(optimizer)
-        fsdp = _fsdp()
-        optimizer = getattr(optimizer, "optimizer", optimizer)  # unwrap a LightningOptimizer
-        with _full_state_dict_in_place(self.model):
-            state = fsdp.FullyShardedDataParallel.optim_state_dict(self.model, optimizer)
-        if self.global_rank == 0:
-            state = fsdp.FullyShardedDataParallel.rekey_optim_state_dict(
-                state, fsdp.OptimStateKeyType.PARAM_ID, self.model
-            )
-        return state
-
-    def _full_state_dict_on_cpu(self) -> bool:
-        return self._state_dict_type == "full" and self.root_device.type == "cpu"
 
 
 def _sharded(strategy: Any, model: torch.nn.Module, setup: Callable, kwargs: dict) -> torch.nn.Module:
@@ -1957,9 +1938,27 @@ def _unwrapped_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part != "_fsdp_wrapped_module")
 
 
-def _full_state_dict_in_place(module: torch.nn.Module, rank0_only: bool = True) -> Any:
-    """FSDP's full-state-dict context without ``offload_to_cpu``, which with shards on the CPU frees
-    memory the state dict points to: a segfault (Lightning issue #21804). Rank 0 alone gathers to save."""
+@contextlib.contextmanager
+def _full_state_gathered_in_place(strategy: Any) -> Any:
+    """While Lightning's FSDPStrategy (the Trainer's or Fabric's) gathers a full state dict on the CPU: have
+    it gather in place. Lightning's ``_get_full_state_dict_context`` gathers with ``offload_to_cpu``, which
+    with shards on the CPU frees memory the state dict points to: a segfault that ends the sweep (Lightning
+    issue #21804). Lightning has no setting for it, so its context is swapped for ours meanwhile."""
+    owner = sys.modules[strategy._lightning.strategies.FSDPStrategy.__module__]
+    context = getattr(owner, "_get_full_state_dict_context", None)
+    if not callable(context):
+        raise _upstream_changed(f"{owner.__name__}._get_full_state_dict_context", "save a full state on CPU")
+    if strategy.root_device.type == "cpu":
+        owner._get_full_state_dict_context = _full_state_dict_in_place
+    try:
+        yield
+    finally:
+        owner._get_full_state_dict_context = context
+
+
+def _full_state_dict_in_place(module: torch.nn.Module, world_size: int = 1, rank0_only: bool = True) -> Any:
+    """FSDP's full-state-dict context without ``offload_to_cpu`` (see above), with the signature of
+    Lightning's, which it stands in for (``world_size``: unused there too). Rank 0 alone gathers to save."""
     fsdp, config = _fsdp(), {"offload_to_cpu": False, "rank0_only": rank0_only}
     return fsdp.FullyShardedDataParallel.state_dict_type(
         module=module,
@@ -2033,6 +2032,10 @@ class _HydraFabricFSDP(_HydraFabricStrategy):
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
         return _sharded(self, module, super().setup_module, self._fsdp_kwargs)
 
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        with _full_state_gathered_in_place(self):
+            super().save_checkpoint(*args, **kwargs)
+
 
 # ---------- the public classes, on the Lightning namespace in use
 
@@ -2062,9 +2065,7 @@ def _strategies_for(namespace: str, fabric: bool = False) -> types.SimpleNamespa
     if not fabric and (
         not callable(setup_model) or setup_model is getattr(strategies.Strategy, "_setup_model", None)
     ):
-        raise _upstream_changed(
-            f"{_NAMESPACES[namespace]}'s FSDPStrategy._setup_model", "wrap the module once"
-        )
+        raise _upstream_changed(f"{lightning.__name__}'s FSDPStrategy._setup_model", "wrap the module once")
     return types.SimpleNamespace(
         HydraDDP=build(HydraDDP, _HydraFabricStrategy if fabric else _HydraStrategy, strategies.DDPStrategy),
         HydraFSDP=build(HydraFSDP, _HydraFabricFSDP if fabric else _HydraFSDP, strategies.FSDPStrategy),

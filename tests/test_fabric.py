@@ -8,8 +8,8 @@ with its own training loop. Two real sweeps, side by side, 2 CPU ranks a job:
 - the failures, in Hydra's default timestamped sweep dir: rank 1 killed mid-training in job 0 (the rest of
   the sweep runs on), rank 1 building a Fabric of another precision (the job fails at launch, naming it),
   and ``fabric.launch(fn)``;
-- the checkpoints: for HydraDDP and HydraFSDP (sharded, Fabric's default), a job ``fabric.save``-s its model
-  and optimizer after 2 steps, and the sweep's next job ``fabric.load``-s them and trains 2 more;
+- the checkpoints: for HydraDDP and HydraFSDP (sharded, Fabric's default, and full), a job ``fabric.save``-s
+  its model and optimizer after 2 steps, and the sweep's next job ``fabric.load``-s them and trains 2 more;
 - and docs/fabric.md's train.py, as a user copies it.
 """
 
@@ -60,7 +60,7 @@ def sweeps(tmp_path_factory):
             start,
             apps["checkpoints"],
             "hydra.sweep.dir=sweep",
-            "strategy=ddp,fsdp",
+            "strategy=ddp,fsdp,fsdp_full",
             "phase=save,load",
             "steps=2",
         ),
@@ -166,10 +166,14 @@ def test_a_later_job_loads_what_an_earlier_job_saved(sweeps):
     app, run = sweeps["checkpoints"]
     assert run.returncode == 0, run.text()[-6000:]
     jobs_app, _ = sweeps["jobs"]
-    for number, strategy in enumerate(("ddp", "fsdp")):
-        uninterrupted = seen(jobs_app / "sweep" / str(STRATEGIES.index(strategy) * len(LRS)))[0]["losses"]
+    for number, strategy in enumerate(("ddp", "fsdp", "fsdp_full")):
+        # HydraFSDP's uninterrupted run: the same, whatever the checkpoint holds
+        uninterrupted_job = STRATEGIES.index(strategy.removesuffix("_full")) * len(LRS)
+        uninterrupted = seen(jobs_app / "sweep" / str(uninterrupted_job))[0]["losses"]
         saved, loaded = seen(app / "sweep" / str(2 * number)), seen(app / "sweep" / str(2 * number + 1))
-        assert (app / "sweep" / f"checkpoint_{strategy}").exists()
+        checkpoint = app / "sweep" / f"checkpoint_{strategy}"
+        # HydraFSDP's sharded state: a folder of every rank's shards; HydraDDP's and a full state: a file
+        assert checkpoint.is_dir() if strategy == "fsdp" else checkpoint.is_file(), strategy
         for rank in (0, 1):
             assert saved[rank]["losses"] == pytest.approx(uninterrupted[:2], rel=1e-6), strategy
             assert loaded[rank]["losses"] == pytest.approx(uninterrupted[2:], rel=1e-5), strategy

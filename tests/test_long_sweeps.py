@@ -168,7 +168,7 @@ def test_a_failed_job_keeps_its_error_and_a_returned_module_its_weights(tmp_path
                 version_base="1.3",
             )
     finally:
-        hydra_fsdp._sweep.close_fork_server()  # Hydra ends no sweep that raised: its server would idle
+        hydra_fsdp._sweep.on_run_end(config=None)  # Hydra ends no sweep that raised: end it as Hydra would
     failed, returned = memapp.KEPT
     error = failed._return_value
     assert error is raised.value and failed.status.name == "FAILED"
