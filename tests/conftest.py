@@ -28,13 +28,13 @@ LONGEST_FIRST = [
     "test_ecosystem",  # 65
     "test_sweeps",  # 64
     "test_parallel_jobs",  # 60
+    "test_fabric",  # 54
     "test_long_sweeps",  # 50
     "test_config_fidelity",  # 24
     "test_model_parallel",  # 75
     "test_abort",  # 41
     "test_hydra_fsdp",  # 23
     "test_template",  # 12
-    "test_fabric",  # 25
     "test_readme",  # 9
     "test_teardown",  # 4
 ]

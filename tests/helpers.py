@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -184,6 +185,13 @@ def end_tree(pid):
             os.kill(victim, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def free_port():
+    """A port free on 127.0.0.1 now (the OS may offer it again later: bind it soon)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def app_env(strategy="ddp", env=None):
@@ -365,3 +373,26 @@ def wait_for(predicate, timeout, what):
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.2)
+
+
+def stop(sweep, how):
+    """Stop a running sweep (a Run) ``how`` a user would: Ctrl-C, SIGTERM (a scheduler), SIGKILL."""
+    if how == "SIGINT to its process group":  # what Ctrl-C in a terminal does
+        os.killpg(sweep.pid, signal.SIGINT)
+    else:
+        sweep.proc.send_signal(signal.SIGTERM if how.startswith("SIGTERM") else signal.SIGKILL)
+
+
+class Blocked:
+    """Whether a process's main thread is blocked: asleep in the kernel, and no CPU time spent since the
+    last look (a look every 0.2 s, see wait_for; 5 looks running: a second)."""
+
+    def __init__(self, pid):
+        self.stat, self.last, self.still = f"/proc/{pid}/task/{pid}/stat", None, 0
+
+    def __call__(self):
+        fields = Path(self.stat).read_text().rsplit(")", 1)[1].split()
+        state, ticks = fields[0], int(fields[11]) + int(fields[12])  # utime + stime
+        self.still = self.still + 1 if state == "S" and ticks == self.last else 0
+        self.last = ticks
+        return self.still >= 5

@@ -6,7 +6,6 @@ hang) when the launched world does not match ``num_nodes x devices``.
 """
 
 import json
-import socket
 import sys
 import time
 
@@ -19,15 +18,10 @@ from helpers import (
     Run,
     app_env,
     assert_ranks_agree,
+    free_port,
     records,
     swept_jobs,
 )
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(app_dir, *overrides, nnodes=1, nproc=2, strategy="ddp", timeout=SWEEP_TIMEOUT, env=None):

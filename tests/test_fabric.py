@@ -10,18 +10,40 @@ with its own training loop. Two real sweeps, side by side, 2 CPU ranks a job:
   and ``fabric.launch(fn)``;
 - the checkpoints: for HydraDDP and HydraFSDP (sharded, Fabric's default, and full), a job ``fabric.save``-s
   its model and optimizer after 2 steps, and the sweep's next job ``fabric.load``-s them and trains 2 more;
-- and docs/fabric.md's train.py, as a user copies it.
+- the faults, each in a job of its own, then a healthy job: a child rank that raises, rank 0 raising, a child
+  that hangs before ``fabric.launch()`` (bounded by ``rank_timeout``) and one that hangs mid-training (rank 0
+  blocked in a collective, bounded by the process group's timeout); every job's child ranks gone as the next
+  job starts;
+- HydraDDP and HydraFSDP under torchrun, which starts every rank (hydra_fsdp starts none);
+- docs/fabric.md's train.py, as a user copies it;
+- and, a sweep each, SIGTERM and Ctrl-C ending a sweep whose Fabric trains or is blocked on a hung rank.
 """
 
 import functools
 import json
 import re
 import shutil
+import statistics
 import sys
+import time
 
 import pytest
-from helpers import APPS, MODEL_PARALLEL, MODEL_PARALLEL_REASON, Run, app_env, ok, run_side_by_side
-from shared import nothing_outlives
+from helpers import (
+    APPS,
+    MODEL_PARALLEL,
+    MODEL_PARALLEL_REASON,
+    SWEEP_TIMEOUT,
+    Blocked,
+    Run,
+    alive,
+    app_env,
+    free_port,
+    ok,
+    run_side_by_side,
+    stop,
+    wait_for,
+)
+from shared import case_overrides, nothing_outlives
 
 STRATEGIES = ["ddp", "fsdp", "model_parallel"]
 LRS = [0.1, 0.2]
@@ -29,6 +51,24 @@ PUBLIC = {"ddp": "HydraDDP", "fsdp": "HydraFSDP", "model_parallel": "HydraModelP
 CALLBACKS = [f"+hydra.callbacks.{name}._target_=__main__.{name}" for name in ("RecordStart", "RecordError")]
 # jobs of the failures' sweep, in Hydra's order (launch_fn, then bf16_on_rank_1)
 FAILURES = {0: "killed", 1: "precision", 2: "launch(fn)", 3: "precision"}
+# the faults' sweep: each case fails in a job of its own (the strategy's timeouts its own), "healthy" last
+FAULTS = {
+    "child_raises": {"fail_rank": 1, "fail_how": "raise"},
+    "rank0_raises": {"fail_rank": 0, "fail_how": "raise"},
+    "hang_before_launch": {"fail_rank": 1, "fail_how": "init_hang", "strategy.rank_timeout": 6},
+    "hang_in_training": {"fail_rank": 1, "fail_how": "hang", "strategy.timeout.seconds": 5},
+    "healthy": {},
+}
+# what each one's error says
+FAULT_ERRORS = {
+    "child_raises": [
+        "ChildRankError: Child rank 1 failed",
+        "RuntimeError: rank 1 fails on purpose at step 2",
+    ],
+    "rank0_raises": ["RuntimeError: rank 0 fails on purpose at step 2", "they were ended", "rank 1 (pid"],
+    "hang_before_launch": ["Child rank(s) [1] did not reach the process group within 6 s", "rank_timeout"],
+    "hang_in_training": ["Timed out", "child ranks were still running; they were ended", "rank 1 (pid"],
+}
 
 pytestmark = pytest.mark.skipif(not MODEL_PARALLEL, reason=MODEL_PARALLEL_REASON)
 
@@ -38,12 +78,24 @@ def start(app, *overrides):
     return Run(command, app, app_env())
 
 
+def torchrun(app, *overrides):
+    """The app's sweep under torchrun, 2 processes: each runs the whole sweep, one rank of every job."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1"]
+    command += [f"--master-port={free_port()}", "app.py", "-m", *overrides, *CALLBACKS]
+    return Run(command, app, app_env())
+
+
+def copy_app(directory):
+    shutil.copy(APPS / "fabric_app.py", directory / "app.py")
+    return directory
+
+
 @pytest.fixture(scope="module")
 def sweeps(tmp_path_factory):
     apps = {}
-    for name in ("jobs", "failures", "checkpoints", "docs"):
-        apps[name] = tmp_path_factory.mktemp(name)
-        shutil.copy(APPS / "fabric_app.py", apps[name] / "app.py")
+    for name in ("jobs", "failures", "checkpoints", "faults", "torchrun", "docs"):
+        apps[name] = copy_app(tmp_path_factory.mktemp(name))
+    faults = {case: {**values, "fail_job": "${hydra:job.num}"} for case, values in FAULTS.items()}
     # docs/fabric.md's train.py, as a user would copy it
     docs = (APPS.parent.parent / "docs" / "fabric.md").read_text()
     (apps["docs"] / "app.py").write_text(
@@ -64,6 +116,10 @@ def sweeps(tmp_path_factory):
             "phase=save,load",
             "steps=2",
         ),
+        functools.partial(
+            start, apps["faults"], "hydra.sweep.dir=sweep", *case_overrides(apps["faults"], faults)
+        ),
+        functools.partial(torchrun, apps["torchrun"], "hydra.sweep.dir=sweep", "strategy=ddp,fsdp"),
         functools.partial(
             Run,
             [sys.executable, "app.py", "-m", "hydra.sweep.dir=sweep", "lr=0.1,0.2"],
@@ -123,11 +179,71 @@ def test_every_rank_of_every_job_runs_its_own_job(sweeps):
 
 
 def test_the_sweep_process_keeps_nothing_of_a_finished_job(sweeps):
-    for name in ("jobs", "failures"):
+    """As each job starts, the sweep's process holds no process group and no parameter, and no child rank of
+    an earlier job runs: each was ended with its job, the sweep still running (the faults' jobs too)."""
+    for name in ("jobs", "failures", "faults"):
         app, _ = sweeps[name]
-        for start_file in sorted(app.rglob("start.json")):
+        starts = sorted(app.rglob("start.json"))
+        assert len(starts) >= 4, (name, starts)
+        for start_file in starts:
             start = json.loads(start_file.read_text())
             assert start["process_group"] is False and start["parameters"] == 0, (start_file, start)
+            assert start["children_alive"] == [], (start_file, start)
+
+
+def fault(sweeps, case):
+    """Job ``case`` of the faults' sweep: its dir, and its error (None if it did not fail)."""
+    job = sweeps["faults"][0] / "sweep" / case
+    return job, (job / "error.txt").read_text() if (job / "error.txt").exists() else None
+
+
+@pytest.mark.parametrize("case", [case for case in FAULTS if case != "healthy"])
+def test_a_failing_or_hanging_rank_fails_its_job_naming_it_and_the_sweep_goes_on(sweeps, case):
+    job, error = fault(sweeps, case)
+    assert error is not None, f"job {case} did not fail:\n{sweeps['faults'][1].text()[-4000:]}"
+    for text in FAULT_ERRORS[case]:
+        assert text in error, (text, error)
+    started = sorted(path.stem for path in (job / "started").glob("rank*.json"))
+    assert started == ([] if case == "hang_before_launch" else ["rank0", "rank1"]), started
+    if (
+        case == "hang_in_training"
+    ):  # where the hung rank stood: its stack, dumped into its log before it ended
+        assert "in train" in (job / "rank_1.log").read_text()
+    healthy, healthy_error = fault(sweeps, "healthy")
+    assert healthy_error is None and sorted(seen(healthy)) == [0, 1], healthy_error
+
+
+def test_torchrun_starts_every_rank_and_hydra_fsdp_none(sweeps):
+    """Each torchrun process runs the whole sweep, one rank of every job: the same two processes (no child
+    rank forked) train each job together, in the job's own dir, to HydraDDP's losses of the jobs' sweep."""
+    app, run = sweeps["torchrun"]
+    ok(run)
+    reference = seen(sweeps["jobs"][0] / "sweep" / "0")[0]["losses"]  # HydraDDP, lr 0.1
+    pids = []
+    for job, strategy in enumerate(("ddp", "fsdp")):
+        ranks = seen(app / "sweep" / str(job))
+        assert sorted(ranks) == [0, 1], run.text()[-3000:]
+        for rank in ranks.values():
+            assert rank["world"] == 2 and rank["output_dir"] == str(app / "sweep" / str(job)), rank
+            assert rank["strategy"] == f"hydra_fsdp.fabric.{PUBLIC[strategy]}"
+            assert rank["losses"] == pytest.approx(reference, rel=1e-5), (strategy, rank["losses"])
+        pids.append([ranks[0]["pid"], ranks[1]["pid"]])
+    assert pids[0] == pids[1] and pids[0][0] != pids[0][1], f"torchrun's two processes ran both jobs: {pids}"
+    assert not list(app.rglob("rank_1.log")), "hydra_fsdp started no child rank"
+
+
+def test_the_fork_server_starts_a_child_in_a_fraction_of_an_interpreters_start(sweeps):
+    """Reported, not asserted (a machine's speed varies): a forked child's age as ``fabric.launch()`` returns,
+    against a fresh interpreter's age once it imported torch and Lightning Fabric."""
+    app, _ = sweeps["jobs"]
+    ages = [json.loads(path.read_text())["age"] for path in app.glob("sweep/*/started/rank1.json")]
+    assert len(ages) == len(STRATEGIES) * len(LRS)
+    code = "import time, torch, lightning.fabric; print(time.time())"
+    began = time.time()
+    fresh = float(Run([sys.executable, "-c", code], app, app_env()).wait(60).text().split()[-1]) - began
+    median = statistics.median(ages)
+    print(f"a forked child rank at fabric.launch(): {median:.2f} s old (median of {len(ages)} children);")
+    print(f"a fresh interpreter, torch and lightning.fabric imported: {fresh:.2f} s")
 
 
 def test_a_failed_rank_fails_its_job_only_and_the_default_sweep_dir_is_one(sweeps):
@@ -178,3 +294,40 @@ def test_a_later_job_loads_what_an_earlier_job_saved(sweeps):
             assert saved[rank]["losses"] == pytest.approx(uninterrupted[:2], rel=1e-6), strategy
             assert loaded[rank]["losses"] == pytest.approx(uninterrupted[2:], rel=1e-5), strategy
             assert loaded[rank]["losses"] != pytest.approx(uninterrupted[:2], rel=1e-3), "it loaded nothing"
+
+
+@pytest.mark.parametrize(
+    "how, while_",
+    [("SIGTERM to the sweep alone", "blocked on a hung child"), ("SIGINT to its process group", "training")],
+)
+def test_stopping_a_fabric_sweep_ends_every_rank_and_the_fork_server(tmp_path, how, while_):
+    app, job = copy_app(tmp_path), tmp_path / "sweep" / "0"
+    if while_ == "training":  # 8 steps of a second: training still, once both ranks started
+        sweep = start(app, "hydra.sweep.dir=sweep", "lr=0.1,0.2", "steps=8", "step_seconds=1")
+    else:  # rank 1 sleeps in step 2: rank 0 waits in the collective, where no signal handler runs
+        sweep = start(app, "hydra.sweep.dir=sweep", "lr=0.1,0.2", "fail_rank=1", "fail_how=hang")
+    started = {}
+    try:
+        with nothing_outlives("the stopped sweep"):
+            wait_for(lambda: len(list(job.glob("started/rank*.json"))) == 2, SWEEP_TIMEOUT, "job 0's 2 ranks")
+            started = {p.stem: json.loads(p.read_text()) for p in job.glob("started/rank*.json")}
+            if while_ == "blocked on a hung child":
+                wait_for((job / "hanging" / "rank1.json").exists, SWEEP_TIMEOUT, "rank 1 to hang")
+                wait_for(Blocked(started["rank0"]["pid"]), SWEEP_TIMEOUT, "rank 0 to block on the hung rank")
+            stopped = time.monotonic()
+            stop(sweep, how)
+            sweep.wait(timeout=10)
+            took = time.monotonic() - stopped
+    finally:
+        sweep.end()
+    assert sweep.returncode != 0, sweep.text()[-6000:]
+    ended = [
+        started["rank0"]["pid"],
+        started["rank1"]["pid"],
+        started["rank1"]["ppid"],
+    ]  # ppid: the fork server
+    wait_for(lambda: not any(map(alive, ended)), 10, f"the ranks and the fork server {ended} to end")
+    assert not (tmp_path / "sweep" / "1").exists(), (
+        f"a stopped sweep started its next job:\n{sweep.text()[-6000:]}"
+    )
+    print(f"{how}, {while_}: the sweep exited {sweep.returncode} {took:.1f} s after the signal")

@@ -4,7 +4,6 @@ import json
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
 from helpers import (
@@ -12,6 +11,7 @@ from helpers import (
     FSDP_ON_CPU,
     RECORD_ALIVE,
     SWEEP_TIMEOUT,
+    Blocked,
     alive,
     assert_ended_with_their_job,
     assert_failed_job_then_healthy_job,
@@ -22,6 +22,7 @@ from helpers import (
     records,
     start_sweep,
     started_pids,
+    stop,
     sweep_in,
     wait_all,
     wait_for,
@@ -135,28 +136,6 @@ def test_fork_server_hanging_in_its_imports_is_bounded_by_rank_timeout(app, tmp_
         1,
         expect_in_error=["hydra_fsdp's fork server (pid", "started none within 8 s and was ended"],
     )
-
-
-def stop(sweep, how):
-    if how == "SIGINT to its process group":  # what Ctrl-C in a terminal does
-        os.killpg(sweep.pid, signal.SIGINT)
-    else:
-        sweep.proc.send_signal(signal.SIGTERM if how.startswith("SIGTERM") else signal.SIGKILL)
-
-
-class Blocked:
-    """Whether a process's main thread is blocked: asleep in the kernel, and no CPU time spent since the
-    last look (a look every 0.2 s, see wait_for; 5 looks running: a second)."""
-
-    def __init__(self, pid):
-        self.stat, self.last, self.still = f"/proc/{pid}/task/{pid}/stat", None, 0
-
-    def __call__(self):
-        fields = Path(self.stat).read_text().rsplit(")", 1)[1].split()
-        state, ticks = fields[0], int(fields[11]) + int(fields[12])  # utime + stime
-        self.still = self.still + 1 if state == "S" and ticks == self.last else 0
-        self.last = ticks
-        return self.still >= 5
 
 
 @pytest.mark.parametrize(

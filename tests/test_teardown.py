@@ -8,11 +8,10 @@ destroys the group at once: before the fix this hung on every run on torch 2.3.
 """
 
 import os
-import socket
 import sys
 from pathlib import Path
 
-from helpers import Run, run
+from helpers import Run, free_port, run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,12 +34,6 @@ started = time.monotonic()
 hydra_fsdp._destroy_process_group()
 print(f"destroyed in {time.monotonic() - started:.2f} s", flush=True)
 """
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_destroying_the_group_with_collectives_in_flight_does_not_hang(tmp_path):

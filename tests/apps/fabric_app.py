@@ -5,18 +5,25 @@
 (or, with ``launch_fn=true``, ``fabric.launch(train, ...)``) and trains a seeded model a few steps, each
 rank on its own half of the batch. Every rank writes what it saw to ``<job dir>/seen/rank<r>.json``: its
 config's values and types, output dir, cwd, world size, pid, the parameters it holds and the losses.
-``fail_rank`` / ``fail_how`` (raise, kill) make that rank fail at the third step of job ``fail_job``;
+Each rank records as ``fabric.launch()`` returns what started it, in ``<job dir>/started/rank<r>.json``: its
+pid, its parent's (the fork server, for a child) and its age then (seconds since its process started).
+``fail_rank`` / ``fail_how`` make that rank fail in job ``fail_job``: at the third step (``raise``, ``kill``,
+``hang``: it sleeps there, its peers blocked in their next collective), or before ``fabric.launch()``
+(``init_hang``); ``step_seconds`` slows every step;
 ``bf16_on_rank_1=true`` has rank 1 build a Fabric of another precision; ``phase=save`` saves the model
 and optimizer after training (``fabric.save``) to ``checkpoint``, where ``phase=load`` (a later job)
 loads them before it trains on (``fabric.load``).
 A failed job's error goes to ``<job dir>/error.txt`` (``RecordError``), and what the sweep's process holds
-as a job starts to ``<job dir>/start.json`` (``RecordStart``); both are Hydra callbacks, added with
+as a job starts to ``<job dir>/start.json`` (``RecordStart``: its process group, its parameters, and which
+child ranks of the sweep's earlier jobs still run); both are Hydra callbacks, added with
 ``+hydra.callbacks.<name>._target_=__main__.<class>``.
 """
 
+import datetime
 import gc
 import json
 import os
+import time
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -55,8 +62,25 @@ def fully_shard_each_layer(model, device_mesh):
     return fully_shard(model, mesh=device_mesh["data_parallel"])
 
 
-def train(fabric, lr, steps, data, fail_rank, fail_how, fail_job, phase, checkpoint):
+def age():
+    """Seconds since this process started (/proc: its start in clock ticks after boot)."""
+    started = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+    return float(Path("/proc/uptime").read_text().split()[0]) - started / os.sysconf("SC_CLK_TCK")
+
+
+def write_json(path, value):
+    """Write ``value`` to ``path`` whole: a reader sees it complete or not at all."""
+    path.parent.mkdir(exist_ok=True)
+    part = path.with_name(f".{path.name}.{os.getpid()}.part")
+    part.write_text(json.dumps(value))
+    part.rename(path)
+
+
+def train(fabric, lr, steps, step_seconds, data, fail_rank, fail_how, fail_job, phase, checkpoint):
     job = HydraConfig.get().job.num
+    job_dir = Path(HydraConfig.get().runtime.output_dir)
+    started = {"pid": os.getpid(), "ppid": os.getppid(), "age": age()}
+    write_json(job_dir / "started" / f"rank{fabric.global_rank}.json", started)
     torch.manual_seed(0)  # the same initial weights on every rank and in every job
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     model = fabric.setup_module(model)
@@ -73,7 +97,11 @@ def train(fabric, lr, steps, data, fail_rank, fail_how, fail_job, phase, checkpo
         if step == 2 and job == fail_job and fabric.global_rank == fail_rank:
             if fail_how == "kill":
                 os.kill(os.getpid(), 9)
+            if fail_how == "hang":
+                write_json(job_dir / "hanging" / f"rank{fail_rank}.json", {"step": step})
+                time.sleep(3600)
             raise RuntimeError(f"rank {fail_rank} fails on purpose at step {step}")
+        time.sleep(step_seconds)
         loss = torch.nn.functional.mse_loss(model(x[mine]), y[mine])
         fabric.backward(loss)
         optimizer.step()
@@ -97,9 +125,7 @@ def train(fabric, lr, steps, data, fail_rank, fail_how, fail_job, phase, checkpo
         "params_held": sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in model.parameters()),
         "losses": losses,
     }
-    out = Path(seen["output_dir"], "seen")
-    out.mkdir(exist_ok=True)
-    (out / f"rank{fabric.global_rank}.json").write_text(json.dumps(seen))
+    write_json(job_dir / "seen" / f"rank{fabric.global_rank}.json", seen)
     return losses[-1]
 
 
@@ -107,6 +133,7 @@ def task(
     fabric: Fabric,
     lr,
     steps,
+    step_seconds,
     data,
     fail_rank,
     fail_how,
@@ -116,8 +143,14 @@ def task(
     phase,
     checkpoint,
 ):
-    arguments = (lr, steps, data, fail_rank, fail_how, fail_job, phase, checkpoint)
-    if bf16_on_rank_1 and os.environ.get("LOCAL_RANK") == "1":  # a Fabric that differs on one rank
+    arguments = (lr, steps, step_seconds, data, fail_rank, fail_how, fail_job, phase, checkpoint)
+    if (
+        fail_how == "init_hang"
+        and HydraConfig.get().job.num == fail_job
+        and os.environ.get("LOCAL_RANK") == "1"
+    ):
+        time.sleep(3600)  # rank 1, before it reaches fabric.launch()
+    if bf16_on_rank_1 and os.environ.get("LOCAL_RANK") == str(fail_rank):  # a Fabric that differs on one rank
         fabric = Fabric(accelerator="cpu", devices=2, strategy=Strategies.HydraDDP(), precision="bf16-mixed")
     if launch_fn:
         return fabric.launch(train, *arguments)
@@ -131,13 +164,26 @@ class RecordStart(Callback):
     def on_job_start(self, config, **kwargs):
         gc.collect()
         held = [obj for obj in gc.get_objects() if isinstance(obj, torch.nn.Parameter)]
+        job_dir = Path(HydraConfig.get().runtime.output_dir)
+        earlier = [path for path in job_dir.parent.glob("*/started/rank*.json") if path.name != "rank0.json"]
         start = {
             "pid": os.getpid(),
             "process_group": torch.distributed.is_initialized(),
             "parameters": len(held),
+            # every child rank of an earlier job: each was ended with its job, so none runs
+            "children_alive": [str(path) for path in earlier if alive(json.loads(path.read_text())["pid"])],
         }
-        Path(HydraConfig.get().runtime.output_dir).mkdir(parents=True, exist_ok=True)
-        Path(HydraConfig.get().runtime.output_dir, "start.json").write_text(json.dumps(start))
+        job_dir.mkdir(parents=True, exist_ok=True)
+        (job_dir / "start.json").write_text(json.dumps(start))
+
+
+def alive(pid):
+    """Whether ``pid`` runs: the fork server reaps a child as it exits, so an ended one is gone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 class RecordError(Callback):
@@ -146,20 +192,24 @@ class RecordError(Callback):
     def on_job_end(self, config, job_return, **kwargs):
         error = getattr(job_return, "_return_value", None)
         if isinstance(error, BaseException):
-            text = f"{type(error).__name__}: {error}\ncaused by: {error.__cause__!r}"
+            notes = "".join(f"\n{note}" for note in getattr(error, "__notes__", []))  # hydra_fsdp's, under it
+            text = f"{type(error).__name__}: {error}\ncaused by: {error.__cause__!r}{notes}"
             Path(HydraConfig.get().runtime.output_dir, "error.txt").write_text(text)
 
 
 strategy_store = store(group="strategy")
-strategy_store(builds(Strategies.HydraDDP), name="ddp")
-strategy_store(builds(Strategies.HydraFSDP), name="fsdp")  # Fabric's default: sharded checkpoints
-strategy_store(builds(Strategies.HydraFSDP, state_dict_type="full"), name="fsdp_full")
+# what a job may set: hydra_fsdp's bound on a child's start, and the process group's timeout (torch's default)
+TIMEOUTS = {"rank_timeout": 60, "timeout": builds(datetime.timedelta, seconds=1800)}
+strategy_store(builds(Strategies.HydraDDP, **TIMEOUTS), name="ddp")
+strategy_store(builds(Strategies.HydraFSDP, **TIMEOUTS), name="fsdp")  # Fabric's default: sharded checkpoints
+strategy_store(builds(Strategies.HydraFSDP, state_dict_type="full", **TIMEOUTS), name="fsdp_full")
 strategy_store(
     builds(
         Strategies.HydraModelParallel,
         just(fully_shard_each_layer),
         data_parallel_size=2,
         tensor_parallel_size=1,
+        **TIMEOUTS,
     ),
     name="model_parallel",
 )
@@ -170,6 +220,7 @@ store(
         strategy=None,
         lr=0.1,
         steps=4,
+        step_seconds=0.0,
         data=builds(Data, populate_full_signature=True),
         fail_rank=-1,
         fail_how="raise",
