@@ -1,9 +1,10 @@
 """End to end on a real SLURM: a Hydra sweep through hydra-submitit-launcher, 2 tasks per job.
 
 SLURM (srun) starts both ranks of every job; HydraDDP/HydraFSDP spawn nothing and train with
-SLURM's ranks (Lightning's SLURMEnvironment). The cluster is real: munged, slurmctld and slurmd
-on this host (tests/slurm_cluster.py). Skipped where SLURM or hydra-submitit-launcher is not
-installed, unless HYDRA_FSDP_REQUIRE_SLURM=1 (CI), which turns the skip into a failure.
+SLURM's ranks (Lightning's SLURMEnvironment), for the Trainer and for a Fabric loop alike. The
+cluster is real: munged, slurmctld and slurmd on this host (tests/slurm_cluster.py). Skipped where
+SLURM or hydra-submitit-launcher is not installed, unless HYDRA_FSDP_REQUIRE_SLURM=1
+(CI), which turns the skip into a failure.
 
 Two things the app needs under submitit, whatever the strategy:
 - ``_target_``s importable by the job: submitit runs each task as ``python -m
@@ -14,12 +15,18 @@ Two things the app needs under submitit, whatever the strategy:
 """
 
 import importlib.util
+import json
 import os
 import re
+import shutil
 import time
+from pathlib import Path
 
 import pytest
 from helpers import (
+    APPS,
+    MODEL_PARALLEL,
+    MODEL_PARALLEL_REASON,
     SWEPT,
     SWEPT_JOBS,
     SWEPT_LR_VALUES,
@@ -166,6 +173,41 @@ def test_slurm_sweep_two_tasks_per_job(app, cluster, slurm_sweep, strategy):
             held = [seen[r]["params_held"] for r in (0, 1)]
             assert sum(held) == seen[0]["params_total"] and min(held) > 0, held
     print(f"SLURM, {SWEPT_JOBS} jobs x 2 tasks, {SWEPT}: {proc.seconds:.1f} s")
+
+
+@pytest.mark.skipif(not MODEL_PARALLEL, reason=MODEL_PARALLEL_REASON)  # as tests/test_fabric.py
+def test_slurm_fabric_sweep_two_tasks_per_job(tmp_path, cluster):
+    """tests/apps/fabric_app.py (a Fabric loop) under SLURM: a job of each Fabric strategy, SLURM's
+    two tasks its ranks; hydra_fsdp starts none (its Data ``_target_`` importable, as above)."""
+    app = tmp_path / "fabric"
+    app.mkdir()
+    shutil.copy(APPS / "fabric_app.py", app / "app.py")
+    env = {**cluster.env, "HYDRA_FSDP_CLAIMS": str(app / "claims")}
+    proc = sweep_in(app, *launcher(cluster), "data._target_=app.Data", "strategy=ddp,fsdp",
+                    env=env, timeout=SLURM_SWEEP_TIMEOUT * 2)  # fmt: skip
+    assert proc.returncode == 0, failure_report(proc, app, cluster)
+    array_id, *others = arrays(app)
+    assert not others, f"one array job for the sweep, found {[array_id, *others]}"
+    job_ids = slurm_job_ids(cluster, array_id)
+    for job, strategy in enumerate(("HydraDDP", "HydraFSDP")):
+        job_dir = app / "sweep" / str(job)
+        seen = {rank: json.loads((job_dir / "seen" / f"rank{rank}.json").read_text()) for rank in (0, 1)}
+        assert [seen[r]["rank"] for r in (0, 1)] == [0, 1] and seen[0]["pid"] != seen[1]["pid"], seen
+        for rank in (0, 1):
+            assert seen[rank]["world"] == 2 and seen[rank]["job"] == job, seen
+            assert seen[rank]["strategy"].endswith(f".{strategy}"), seen
+            assert seen[rank]["data_type"] == "Data" and seen[rank]["mode"] == "Mode.CAREFUL", seen
+            assert Path(seen[rank]["output_dir"]).resolve() == job_dir.resolve(), seen
+        assert seen[0]["losses"] == seen[1]["losses"], seen  # all-reduced: one job, in step
+        # SLURM started both ranks: hydra_fsdp wrote no plan for a child and claimed no device
+        assert not (job_dir / "rank_config.pickle").exists()
+        assert not (app / "claims").exists(), "under SLURM no job claims a device"
+        expected_port = str(15000 + int(job_ids[f"{array_id}_{job}"][-4:]))  # SLURMEnvironment's
+        assert seen[0]["master_port"] == seen[1]["master_port"] == expected_port, (seen, job_ids)
+        if strategy == "HydraFSDP":
+            held = [seen[r]["params_held"] for r in (0, 1)]
+            assert sum(held) == 49 and min(held) > 0, held  # each rank its own shard of the 49
+    print(f"SLURM, Fabric, 2 jobs x 2 tasks (HydraDDP, HydraFSDP): {proc.seconds:.1f} s")
 
 
 def test_slurm_fewer_tasks_than_devices_fails_fast(app, cluster):

@@ -121,6 +121,7 @@ def train(fabric, lr, steps, step_seconds, data, fail_rank, fail_how, fail_job, 
         "strategy": type(fabric.strategy).__module__ + "." + type(fabric.strategy).__qualname__,
         "output_dir": HydraConfig.get().runtime.output_dir,
         "cwd": os.getcwd(),
+        "master_port": os.environ.get("MASTER_PORT"),  # where the process group met
         # its own shard: a DTensor's numel is the whole parameter's
         "params_held": sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in model.parameters()),
         "losses": losses,
