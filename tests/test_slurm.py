@@ -28,8 +28,7 @@ from helpers import (
     MODEL_PARALLEL,
     MODEL_PARALLEL_REASON,
     SWEPT,
-    SWEPT_JOBS,
-    SWEPT_LR_VALUES,
+    SWEPT_LRS,
     SWEPT_TARGETS,
     alive,
     assert_ranks_agree,
@@ -38,7 +37,6 @@ from helpers import (
     start_sweep,
     started_pids,
     sweep_in,
-    swept_jobs,
     wait_all,
     wait_for,
 )
@@ -127,15 +125,16 @@ def slurm_job_ids(cluster, array_id):
 
 @pytest.fixture(scope="module")
 def slurm_sweep():
-    """``slurm_sweep(app, cluster)``: the sweep of every strategy x lr, 2 tasks a job, run once
-    (by the first test that asks, in its app dir); its app dir and run."""
+    """``slurm_sweep(app, cluster)``: the sweep of a job for each strategy, 2 tasks a job, run once
+    (by the first test that asks, in its app dir); its app dir and run. (One lr: under SLURM every
+    job is a task of the array on its own, so a second job of a strategy would check nothing new.)"""
     swept = []
 
     def sweep(app, cluster):
         if not swept:
             env = {**cluster.env, "HYDRA_FSDP_CLAIMS": str(app / "claims")}  # SLURM assigns the devices
             proc = sweep_in(app, *launcher(cluster), *APP_UNDER_SUBMITIT,
-                            f"trainer.strategy._target_={SWEPT_TARGETS}", f"module.lr={SWEPT_LR_VALUES}",
+                            f"trainer.strategy._target_={SWEPT_TARGETS}", f"module.lr={SWEPT_LRS[0]}",
                             env=env, timeout=SLURM_SWEEP_TIMEOUT * len(SWEPT))  # fmt: skip
             assert proc.returncode == 0, failure_report(proc, app, cluster)
             swept.append((app, proc))
@@ -150,29 +149,29 @@ def test_slurm_sweep_two_tasks_per_job(app, cluster, slurm_sweep, strategy):
     array_id, *others = arrays(app)
     assert not others, f"one array job for the sweep, found {[array_id, *others]}"
     job_ids = slurm_job_ids(cluster, array_id)
-    assert sorted(job_ids) == [f"{array_id}_{job}" for job in range(SWEPT_JOBS)], job_ids
-    for job, lr in swept_jobs(strategy):
-        job_dir = app / "sweep" / str(job)
-        seen = assert_ranks_agree(job_dir, world=2)  # ranks 0 and 1, distinct pids, one job
-        assert seen[0]["lr"] == lr and seen[0]["job"] == job
-        assert seen[0]["strategy"] == f"hydra_fsdp.Hydra{strategy.upper()}"
-        # SLURM started both ranks: HydraDDP/HydraFSDP spawned no child and wrote no plan for one
-        assert not (job_dir / "rank_1.log").exists()
-        assert not (job_dir / "rank_config.pickle").exists()
-        assert not (app / "claims").exists(), "under SLURM no job claims a device"
-        # each SLURM task of this job was one rank
-        array_task = f"{array_id}_{job}"
-        for rank in (0, 1):
-            log = task_log(app, array_task, rank)
-            assert f"global_rank={rank}(2)" in log, log
-            assert f"Initializing distributed: GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/2" in log, log
-        # and they met where Lightning's SLURMEnvironment sends them: 15000 + the job id's last 4 digits
-        expected_port = str(15000 + int(job_ids[array_task][-4:]))
-        assert seen[0]["master_port"] == seen[1]["master_port"] == expected_port, (seen, job_ids)
-        if strategy == "fsdp":
-            held = [seen[r]["params_held"] for r in (0, 1)]
-            assert sum(held) == seen[0]["params_total"] and min(held) > 0, held
-    print(f"SLURM, {SWEPT_JOBS} jobs x 2 tasks, {SWEPT}: {proc.seconds:.1f} s")
+    assert sorted(job_ids) == [f"{array_id}_{job}" for job in range(len(SWEPT))], job_ids
+    job, lr = SWEPT.index(strategy), SWEPT_LRS[0]
+    job_dir = app / "sweep" / str(job)
+    seen = assert_ranks_agree(job_dir, world=2)  # ranks 0 and 1, distinct pids, one job
+    assert seen[0]["lr"] == lr and seen[0]["job"] == job
+    assert seen[0]["strategy"] == f"hydra_fsdp.Hydra{strategy.upper()}"
+    # SLURM started both ranks: HydraDDP/HydraFSDP spawned no child and wrote no plan for one
+    assert not (job_dir / "rank_1.log").exists()
+    assert not (job_dir / "rank_config.pickle").exists()
+    assert not (app / "claims").exists(), "under SLURM no job claims a device"
+    # each SLURM task of this job was one rank
+    array_task = f"{array_id}_{job}"
+    for rank in (0, 1):
+        log = task_log(app, array_task, rank)
+        assert f"global_rank={rank}(2)" in log, log
+        assert f"Initializing distributed: GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/2" in log, log
+    # and they met where Lightning's SLURMEnvironment sends them: 15000 + the job id's last 4 digits
+    expected_port = str(15000 + int(job_ids[array_task][-4:]))
+    assert seen[0]["master_port"] == seen[1]["master_port"] == expected_port, (seen, job_ids)
+    if strategy == "fsdp":
+        held = [seen[r]["params_held"] for r in (0, 1)]
+        assert sum(held) == seen[0]["params_total"] and min(held) > 0, held
+    print(f"SLURM, {len(SWEPT)} jobs x 2 tasks, {SWEPT}: {proc.seconds:.1f} s")
 
 
 @pytest.mark.skipif(not MODEL_PARALLEL, reason=MODEL_PARALLEL_REASON)  # as tests/test_fabric.py
