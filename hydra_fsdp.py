@@ -1644,7 +1644,7 @@ def _flat(tree: Any, prefix: str = "") -> dict:
 
 
 # The oldest releases, as pyproject.toml declares them: below them hydra_fsdp refuses to build a strategy.
-# (lightning-fabric: the release of the pytorch-lightning that installs it)
+# (lightning_fabric is checked as the pytorch-lightning whose wheel holds it)
 _MINIMUM_VERSIONS = {"torch": "2.3", "hydra-core": "1.3.0", "pytorch-lightning": "2.2", "lightning": "2.2"}
 
 
@@ -1679,7 +1679,8 @@ def _check_versions(lightning: types.ModuleType, strategy: str) -> None:
     import hydra
 
     package = lightning.__name__.split(".")[0]
-    lightning_name = package.replace("_", "-")  # its pip name
+    # its pip name: lightning_fabric ships in pytorch-lightning's wheel, at its release
+    lightning_name = "pytorch-lightning" if package == "lightning_fabric" else package.replace("_", "-")
     found = {lightning_name: sys.modules[package].__version__}
     found |= {"torch": torch.__version__, "hydra-core": hydra.__version__}
     needs = [("hydra_fsdp", _MINIMUM_VERSIONS, "")]

@@ -594,6 +594,26 @@ def test_model_parallel_on_releases_without_it_is_refused_naming_what_it_needs(m
     )
 
 
+def test_the_fabric_strategies_refuse_old_releases_naming_fabrics_package(monkeypatch):
+    """The same refusals for a Fabric, naming what to install: pytorch-lightning for lightning_fabric (its
+    wheel holds it, at its release), or lightning."""
+    package = hydra_fsdp.fabric.HydraDDP._lightning.__name__.split(".")[0]
+    name = {"lightning_fabric": "pytorch-lightning", "lightning": "lightning"}[package]
+    monkeypatch.setattr(sys.modules[package], "__version__", "2.1.4")
+    with pytest.raises(
+        ImportError, match=re.escape(f"needs {name}>=2.2 (found 2.1.4): pip install '{name}>=2.2'")
+    ):
+        hydra_fsdp.fabric.HydraDDP()
+    monkeypatch.setattr(sys.modules[package], "__version__", "2.3.3")
+    monkeypatch.setattr(torch, "__version__", "2.3.1")
+    with pytest.raises(ImportError) as refused:
+        hydra_fsdp.fabric.HydraModelParallel()
+    assert str(refused.value) == (
+        f"HydraModelParallel needs {name}>=2.4 (found 2.3.3), torch>=2.4 (found 2.3.1):"
+        f" pip install '{name}>=2.4' 'torch>=2.4', or use HydraDDP."
+    )
+
+
 def test_fsdp2_without_a_gpu_on_a_torch_that_cannot_train_it_over_gloo_is_refused(monkeypatch):
     # torch 2.4 to 2.6: fully_shard fails without CUDA streams; 2.7 to 2.9: gloo's AVG sums (docs/design.md)
     if hydra_fsdp._release(pl.__version__) < (2, 4):
