@@ -18,24 +18,26 @@ def pytest_configure(config):
 
 
 # Under -n (pytest-xdist, --dist loadscope --no-loadscope-reorder) a free worker takes the next
-# module in this order: every module, the longest first (seconds in a worker on 2 cores, in a slow
-# hour), so that the short ones at the end even out when the two workers finish.
+# module in this order: every module, the longest first (seconds in a worker on 2 cores, the mean of
+# two fresh clones' --durations=0), so that the short ones at the end even out when the two workers
+# finish. A module not named here runs last.
 LONGEST_FIRST = [
-    "test_checkpoints",  # 105
-    "test_faults",  # 87
-    "test_slurm",  # 86
-    "test_external",  # 67
-    "test_ecosystem",  # 65
-    "test_sweeps",  # 64
-    "test_parallel_jobs",  # 60
-    "test_fabric",  # 54
-    "test_long_sweeps",  # 50
-    "test_config_fidelity",  # 24
-    "test_model_parallel",  # 75
-    "test_abort",  # 41
-    "test_hydra_fsdp",  # 23
-    "test_template",  # 12
-    "test_readme",  # 9
+    "test_parallel_jobs",  # 70
+    "test_faults",  # 65
+    "test_fabric",  # 57
+    "test_long_sweeps",  # 49
+    "test_sweeps",  # 47
+    "test_slurm",  # 47 (where SLURM is installed)
+    "test_ecosystem",  # 39
+    "test_checkpoints",  # 36
+    "test_model_parallel",  # 35
+    "test_config_fidelity",  # 30
+    "test_external",  # 27
+    "test_abort",  # 18
+    "test_hydra_fsdp",  # 12
+    "test_readme",  # 11
+    "test_template",  # 8
+    "test_rank_command",  # 7
     "test_teardown",  # 4
 ]
 
