@@ -165,21 +165,22 @@ def _hydra_job() -> dict | None:
     """The running Hydra job, or None outside one. In a child rank hydra_fsdp started, the job that
     ``_run_child_rank`` runs (``_child_job``). Elsewhere (rank 0, and every rank under torchrun or SLURM,
     where Hydra runs the task function itself) the local variables of Hydra's ``run_job``, found on the
-    stack: Hydra has no public way to name the running task function and its config."""
+    stack: Hydra has no public way to name the running task function and its config. hydra-core 1.4 moved
+    ``run_job``'s body into ``_run_job``, which ``run_job`` calls under the job's execution whitelist."""
     if _child_job is not None:
         return _child_job
-    from hydra.core.utils import run_job
+    from hydra.core import utils
 
+    body = getattr(utils, "_run_job", utils.run_job)
     frame = inspect.currentframe()
-    while frame is not None and frame.f_code is not run_job.__code__:
+    while frame is not None and frame.f_code is not body.__code__:
         frame = frame.f_back
     if frame is None:
         return None
     needed = {"task_function", "task_cfg", "config", "hydra_context", "ret"}
     if not needed <= set(frame.f_locals):  # Python 3.13: a proxy, whose keys() is a list
-        raise _upstream_changed(
-            f"the local variables of hydra.core.utils.run_job {sorted(needed)}", "find the running job"
-        )
+        locals_of = f"the local variables of hydra.core.utils.{body.__name__} {sorted(needed)}"
+        raise _upstream_changed(locals_of, "find the running job")
     return frame.f_locals
 
 
@@ -385,6 +386,7 @@ def _write_launch(path: Path, hydra_job: dict, spec: "_LaunchSpec") -> bool:
         "resolved": _resolved_where_possible(task_cfg),
         "task": task,
         "contract": {"module_key": spec.module_key, "datamodule_key": spec.datamodule_key},
+        "whitelist": getattr(hydra_job["hydra_context"], "execution_whitelist", None),  # hydra-core >= 1.4
     }
     path.write_bytes(pickle.dumps(launch))
     return task is not None
@@ -2165,7 +2167,8 @@ def _run_child_rank(config_path: str) -> None:
     _child_job = {"task_function": task_function, "task_cfg": task_cfg}  # what _hydra_job finds here
     _child_store().get(_GO_KEY)  # rank 0 runs this job with this world size: run it here too
     try:
-        task_function(task_cfg)
+        with _execution_policy(launch["whitelist"]):
+            task_function(task_cfg)
         exit_code = 0
     except BaseException:  # noqa: BLE001 - the job's error, as Hydra prints it, to the child's log
         traceback.print_exc()
@@ -2175,6 +2178,17 @@ def _run_child_rank(config_path: str) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)
+
+
+def _execution_policy(whitelist: Any) -> Any:
+    """Rank 0's execution policy for a child's task function: from hydra-core 1.4 ``run_job`` runs the task
+    function under the job's execution whitelist alone (``@hydra.main(execution_whitelist=...)``'s), which
+    decides what a config's ``_target_`` may call. Under another policy a child's ``instantiate`` could
+    allow or refuse what rank 0's did not: the ranks would build different things, or one would fail."""
+    import hydra.utils
+
+    policy = getattr(hydra.utils, "execution_whitelist", None)  # public from hydra-core 1.4
+    return contextlib.nullcontext() if policy is None else policy(whitelist, reset=True)
 
 
 def _check_resolved_as_on_rank_0(task_cfg: DictConfig, on_rank_0: dict) -> None:
