@@ -9,6 +9,7 @@ import sys
 import pytest
 from helpers import APPS, FAULT_BOUND, FSDP_ON_CPU, app_env, ok, run_side_by_side
 from helpers import Run as Started
+from omegaconf import OmegaConf
 
 # shape, strategy, overrides, the two jobs' values: every rank of a job must have seen them
 SWEEPS = {
@@ -34,6 +35,7 @@ DATACLASS_NODES = {
     "steps": "float",
     "run_id": "str",
     "devices": "int",
+    "kernel": "tuple" if hasattr(OmegaConf, "register_resolver") else "list",  # omegaconf 2.4's TupleConfig
 }
 
 
@@ -79,6 +81,7 @@ def test_every_rank_gets_rank0s_config_types_and_flags(sweeps, name):
         ranks = seen(sweep / str(job))
         assert ranks[0] == {**ranks[1], "rank": 0}, f"job {job}: rank 0 {ranks[0]}, rank 1 {ranks[1]}"
         assert ranks[1][key] == value and ranks[1]["job"] == job and ranks[1]["struct"] is True
+        assert ranks[1]["kernel"] == ([] if shape == "zen" else [3, 3])
         assert ranks[1]["config type"] == "Config"  # a dataclass, never a dict
         if shape == "zen":  # hydra-zen's make_config/builds, dataclasses made at run time
             assert ranks[1]["node types"] == {"optim": "PartialBuilds_SGD", "width": "int", "devices": "int"}

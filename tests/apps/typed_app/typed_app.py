@@ -16,7 +16,7 @@ import os
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import hydra
 import pytorch_lightning as pl
@@ -30,8 +30,10 @@ from hydra_fsdp import HydraDDP, HydraFSDP
 
 SHAPE = os.environ.get("APP_SHAPE", "dataclass")
 STRATEGY = {"ddp": HydraDDP, "fsdp": HydraFSDP}[os.environ.get("APP_STRATEGY", "ddp")]
+# omegaconf 2.4 deprecates register_new_resolver for register_resolver: either must work
+register_resolver = getattr(OmegaConf, "register_resolver", OmegaConf.register_new_resolver)
 if os.environ.get("APP_RESOLVER") == "import":
-    OmegaConf.register_new_resolver("run_id", lambda: uuid.uuid4().hex)
+    register_resolver("run_id", lambda: uuid.uuid4().hex)
 
 
 class Mode(enum.Enum):
@@ -54,6 +56,7 @@ class Config:
     steps: float = 2  # a float: an untyped load reads 2, an int
     run_id: str = "none"
     devices: int = 2
+    kernel: Tuple[int, int] = (3, 3)  # omegaconf 2.4: a TupleConfig, to_object a tuple (2.3: a list)
 
 
 class Tiny(pl.LightningModule):
@@ -85,6 +88,7 @@ def record(cfg, typed, lr, width, callbacks):
                 "readonly": OmegaConf.is_readonly(cfg),
                 "lr": lr,
                 "width": width,
+                "kernel": list(getattr(typed, "kernel", [])),
                 "run_id": cfg.get("run_id"),
                 "callbacks": [type(c).__qualname__ for c in callbacks],
                 "job": HydraConfig.get().job.num,
@@ -137,7 +141,7 @@ store.store(name="zen", node=ZenConfig)
 
 if __name__ == "__main__":
     if os.environ.get("APP_RESOLVER") == "main":
-        OmegaConf.register_new_resolver("run_id", lambda: uuid.uuid4().hex)
+        register_resolver("run_id", lambda: uuid.uuid4().hex)
     name = {"dataclass": "config", "yaml": "train", "zen": "zen"}[SHAPE]
     hydra.main(config_path=str(Path(__file__).parent / "configs"), config_name=name, version_base="1.3")(
         zen_task if SHAPE == "zen" else train

@@ -1,0 +1,75 @@
+"""Hydra 1.4's execution whitelist, swept with HydraDDP: ``@hydra.main(execution_whitelist=["os.chdir"])``
+allows a target that Hydra refuses by default (``os.chdir`` is on its blacklist) and refuses every
+target it does not list (``collections.OrderedDict``). Every rank instantiates both and writes what the
+policy did to ``<job dir>/policy/rank<N>.json``, then trains: a child rank under another policy than
+rank 0's would allow or refuse otherwise (before hydra_fsdp ran children under rank 0's policy, rank 1
+refused ``os.chdir`` and allowed ``OrderedDict``)."""
+
+import json
+import os
+from pathlib import Path
+
+import hydra
+import pytorch_lightning as pl
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+
+from hydra_fsdp import HydraDDP
+
+PROBES = {
+    "allowed": {"_target_": "os.chdir", "path": "."},
+    "refused": {"_target_": "collections.OrderedDict"},
+}
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self, lr):
+        super().__init__()
+        self.lr, self.net = lr, torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, idx):
+        return self.net(batch).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=2)
+
+
+def outcome(probe):
+    try:
+        instantiate(probe)
+        return "allowed"
+    except Exception as error:  # noqa: BLE001 - Hydra's refusal, recorded by its type
+        return type(error).__name__
+
+
+def train(cfg):
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    seen = Path(HydraConfig.get().runtime.output_dir, "policy")
+    seen.mkdir(exist_ok=True)
+    record = {name: outcome(cfg.probes[name]) for name in PROBES}
+    (seen / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "lr": cfg.lr, **record}))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=HydraDDP(),
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Tiny(cfg.lr))
+    return record
+
+
+if __name__ == "__main__":
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="config", node={"lr": 0.1, "probes": PROBES})
+    hydra.main(config_path=None, config_name="config", version_base="1.3", execution_whitelist=["os.chdir"])(
+        train
+    )()
