@@ -1138,6 +1138,7 @@ class _Job:
         self.abort = _StageAbort()
         self.released = False  # the children were told to run the job (_GO_KEY)
         self.runs_task = True
+        self.error: BaseException | None = None  # the job's, decided once, where it happened (error_for)
         self.stages_announced = 0
         self.closing = contextlib.ExitStack()
         self.close = self.closing.close  # undo what the job did, the last first
@@ -1211,7 +1212,8 @@ class _Job:
         self.children.raise_if_any_exited()
 
     def error_for(self, error: BaseException) -> BaseException:
-        """The error a stage that raised on rank 0 fails the job with; the children are ended."""
+        """The error a stage that raised on rank 0 fails the job with; the children are ended. Decided once:
+        at the job's end the children it ended have exited killed, which is no failure of theirs."""
         signum = self.children.stopped_by
         if signum is None and isinstance(error, KeyboardInterrupt):
             # Ctrl-C, its handler first to run (Lightning < 2.3 swallows it: the sweep would go on).
@@ -1229,6 +1231,7 @@ class _Job:
                 self.children.end_saying_where_they_stood(error)
         self.children.end()
         self.abort.abort()
+        self.error = error
         return error
 
     def finish(self, job_return: Any) -> None:
@@ -1245,7 +1248,7 @@ class _Job:
                 if failure is not None:
                     job_return.status = JobStatus.FAILED
                     job_return.return_value = failure
-            else:  # rank 0 failed outside a stage (the public getter prints Hydra's error line again)
+            elif self.error is None:  # rank 0 failed outside a stage (the public getter prints Hydra's line)
                 # a child's failure that caused it (a collective that broke) is the job's error
                 job_return.return_value = self.error_for(getattr(job_return, "_return_value", None))
         finally:

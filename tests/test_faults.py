@@ -254,7 +254,10 @@ def test_rank0_failure_ends_its_children(failing_sweep, strategy):
     app, _ = failing_sweep
     case = f"rank0_{strategy}"
     assert failed(failing_sweep, case) and not failed(failing_sweep, f"{case}_next")
-    assert "ValueError: injected failure on rank 0" in error_of(failing_sweep, case)
+    error = error_of(failing_sweep, case)
+    # the job's error is rank 0's own, first and last: the child it ended (SIGKILL) did not fail
+    assert "ValueError: injected failure on rank 0" in error
+    assert "ChildRankError" not in error and "Child rank 1 failed" not in error, error
     assert not records(app / "sweep" / case)
     assert_ranks_agree(app / "sweep" / f"{case}_next")
     # rank 1 was running (it started, and rank 0 failed in training, not at its start) and was ended
