@@ -935,14 +935,16 @@ class _Sweep(Callback):
                 )
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
-        if self.job is not None and self.job.job_return is job_return:
-            self.job.finish(job_return)
-        if self.ran is job_return:
-            self.ran = None
-            _let_go_of_the_job(job_return, self.wrapped)
-        if self.froze:
-            gc.unfreeze()
-            self.froze = False
+        try:  # Hydra makes an error here a warning: what the job held must be let go of all the same
+            if self.job is not None and self.job.job_return is job_return:
+                self.job.finish(job_return)
+        finally:
+            if self.ran is job_return:
+                self.ran = None
+                _let_go_of_the_job(job_return, self.wrapped)
+            if self.froze:
+                gc.unfreeze()
+                self.froze = False
 
     def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
         if self.fork_server is not None:
@@ -1427,17 +1429,21 @@ def _let_go_of_the_job(job_return: Any, wrapped: list) -> None:
     # end. Python 3.10 has no notes: there the whole chain is printed now, once, with its frames.
     if isinstance(error, BaseException) and not hasattr(error, "add_note"):
         traceback.print_exception(type(error), error, error.__traceback__)
-    # The error and its causes, to the end of the chain: a child's failure, never raised, has no traceback
-    # of its own, and its cause (rank 0's broken collective) does.
-    chain: list = []
-    while isinstance(error, BaseException) and error not in chain:
+    # The error and every error it links to: a child's failure, never raised, has no traceback of its own,
+    # and its cause (rank 0's broken collective) does; an error raised `from` another while handling a
+    # third links to both (its __cause__ and __context__), and each one's frames hold the job's objects.
+    pending, chain = [error], []
+    while pending:
+        error = pending.pop()
+        if not isinstance(error, BaseException) or any(error is seen for seen in chain):
+            continue
         chain.append(error)
         if hasattr(error, "add_note") and error.__traceback__ is not None:
             error.add_note(
                 "Traceback (most recent call last):\n" + "".join(traceback.format_tb(error.__traceback__))
             )
         error.__traceback__ = None
-        error = error.__cause__ or error.__context__
+        pending += [error.__cause__, error.__context__]
     while wrapped:  # the FSDP wrappers the job built
         _free_flat_parameters(wrapped.pop())
     _clear_torch_caches()

@@ -878,6 +878,42 @@ def test_a_failed_jobs_frames_are_shown_once_with_their_errors_when_they_are_let
         assert text in together, f"{text!r} is not shown with the rest of the error:\n{shown}"
 
 
+def test_a_failed_jobs_errors_all_let_go_of_their_frames_cause_and_context_alike():
+    """An error raised ``from`` one error while handling another links to both: each one's frames hold the
+    job's objects (D9: only ``__cause__ or __context__`` was followed, the context kept its frames)."""
+
+    def failing():
+        try:
+            raise KeyError("handled")
+        except KeyError:
+            raise RuntimeError("raised") from ValueError("cause")
+
+    try:
+        failing()
+    except RuntimeError as error:
+        failed = error
+    assert failed.__context__.__traceback__ is not None
+    hydra_fsdp._let_go_of_the_job(
+        SimpleNamespace(status=hydra_fsdp.JobStatus.FAILED, _return_value=failed), []
+    )
+    assert [failed.__traceback__, failed.__cause__.__traceback__, failed.__context__.__traceback__] == [
+        None
+    ] * 3
+
+
+def test_a_job_end_that_raises_still_lets_go_of_the_job(monkeypatch):
+    """Hydra makes an exception from a callback's on_job_end a warning and goes on to the next job: what the
+    job held must be let go of all the same (D9: it was not, the job's memory stayed for the sweep)."""
+    follower, job_return = hydra_fsdp._Sweep(), object()
+    follower.ran = job_return
+    follower.job = SimpleNamespace(job_return=job_return, finish=mock.Mock(side_effect=OSError("disk full")))
+    let_go = mock.Mock()
+    monkeypatch.setattr(hydra_fsdp, "_let_go_of_the_job", let_go)
+    with pytest.raises(OSError, match="disk full"):
+        follower.on_job_end(config=None, job_return=job_return)
+    let_go.assert_called_once_with(job_return, follower.wrapped)
+
+
 def test_a_failed_childs_log_excerpt_reads_the_logs_end_only(tmp_path):
     import tracemalloc
 
