@@ -976,8 +976,12 @@ class _StageAbort:
         try:
             yield
         finally:
-            with self.lock:
-                self.in_stage = False
+            self.end()
+
+    def end(self) -> None:
+        """No abort after this: the lock is held only by an abort under way, which NCCL's abort bounds."""
+        with self.lock:
+            self.in_stage = False
 
     def abort(self, for_rank: int | None = None) -> None:
         """For a child that failed (``for_rank``) while a stage runs: NCCL would wait for it until the
@@ -1244,7 +1248,9 @@ class _Job:
             if job_return.status is JobStatus.COMPLETED:
                 if not self.runs_task:
                     self.store.set(_STAGE_KEY.format(self.stages_announced), "null")
-                # a child still in a collective with rank 0 fails at once, instead of waiting
+                # a child still in a collective with rank 0 fails at once, instead of waiting; and no
+                # child's late failure aborts what this destroys (Fabric's stage lasts until close)
+                self.abort.end()
                 _destroy_process_group()
                 failure = self.children.wait_until_exited(self.spec.rank_timeout)
                 if failure is not None:
@@ -1380,15 +1386,25 @@ def _abort_groups() -> None:
     - torch 2.6: the default group's NCCL backend has ``abort()``;
     - torch 2.3 to 2.5: the default group's NCCL backend has ``_shutdown()``.
 
-    gloo needs none: its collectives fail as soon as the failed child's connections close.
+    gloo needs none: its collectives fail as soon as the failed child's connections close. No local name
+    holds the default group (see ``_destroy_process_group``).
     """
-    world = torch.distributed.group.WORLD
-    if hasattr(world, "abort"):  # torch >= 2.7
+    if hasattr(torch.distributed.group.WORLD, "abort"):  # torch >= 2.7
         registry = getattr(torch.distributed.distributed_c10d, "_world", None)
-        for group in list(getattr(registry, "pg_map", None) or [world]):
-            group.abort()
+        # NCCL's communicators aborted one by one can wait on each other (pytorch#119797): as one NCCL
+        # group, as torch's own _abort_process_group does.
+        backends = _backends_of(torch.distributed.group.WORLD)
+        nccl = [backend for backend in backends if hasattr(backend, "_group_start")]
+        for backend in nccl:
+            backend._group_start()
+        try:
+            for group in list(getattr(registry, "pg_map", None) or [torch.distributed.group.WORLD]):
+                group.abort()
+        finally:
+            for backend in nccl:
+                backend._group_end()
         return
-    for backend in _backends_of(world):
+    for backend in _backends_of(torch.distributed.group.WORLD):
         if hasattr(backend, "abort"):  # torch 2.6
             backend.abort()
         elif hasattr(backend, "_shutdown"):  # torch 2.3 to 2.5
@@ -1410,7 +1426,11 @@ def _backends_of(group: Any) -> list:
 
 def _end_process_groups_at_exit() -> None:
     """Destroy the process groups while the interpreter is whole: gloo's threads, alive while anything
-    holds a group (an FSDP module, in a cycle), abort the process at exit (SIGABRT). Then freeze the rest."""
+    holds a group (an FSDP module, in a cycle), abort the process at exit (SIGABRT). Then freeze the rest.
+    Registered last, so run first: a job still running (SIGTERM, Ctrl-C) is ended first, by its own close,
+    which knows whether its groups were aborted (a plain destroy of an aborted NCCL group can wait)."""
+    if _sweep.job is not None:
+        _sweep.job.close()
     _destroy_process_group()
     gc.collect()
     gc.freeze()

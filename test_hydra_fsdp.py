@@ -914,6 +914,52 @@ def test_a_job_end_that_raises_still_lets_go_of_the_job(monkeypatch):
     let_go.assert_called_once_with(job_return, follower.wrapped)
 
 
+def test_a_finished_jobs_groups_are_destroyed_after_its_stage_ended(monkeypatch):
+    """Fabric's stage lasts from launch() to the job's close: a child failing late, while the job's end
+    destroys the group, must not start an abort of the same communicators on the fork server's reader
+    thread (D6: the destroy ran with the stage still open)."""
+    job = object.__new__(hydra_fsdp._Job)
+    job.abort, job.released, job.runs_task = hydra_fsdp._StageAbort(), True, True
+    job.spec = SimpleNamespace(rank_timeout=1.0)
+    job.children = SimpleNamespace(wait_until_exited=lambda timeout: None)
+    job.close = mock.Mock()
+    job.abort.in_stage = True  # entered at Fabric's launch(), left at the job's close
+    in_stage_at_destroy = []
+    monkeypatch.setattr(
+        hydra_fsdp, "_destroy_process_group", lambda: in_stage_at_destroy.append(job.abort.in_stage)
+    )
+    job.finish(SimpleNamespace(status=hydra_fsdp.JobStatus.COMPLETED))
+    assert in_stage_at_destroy == [False]
+    job.abort.abort(for_rank=1)  # the late failure: nothing to abort any more
+    assert not job.abort.aborted and job.abort.for_rank is None
+
+
+def test_an_abort_ends_the_nccl_communicators_as_one_group(monkeypatch):
+    """NCCL communicators aborted one by one can wait on each other (pytorch#119797): torch's own
+    _abort_process_group aborts them between _group_start and _group_end, and so must _abort_groups (D8)."""
+    calls = mock.Mock()
+    nccl = SimpleNamespace(_group_start=calls.group_start, _group_end=calls.group_end)
+    world = mock.Mock(spec=["abort"], abort=calls.abort_world)  # groups are the registry's keys: hashable
+    registry = SimpleNamespace(pg_map={world: None, mock.Mock(spec=["abort"], abort=calls.abort_mesh): None})
+    monkeypatch.setattr(torch.distributed, "group", SimpleNamespace(WORLD=world))
+    monkeypatch.setattr(torch.distributed.distributed_c10d, "_world", registry)
+    monkeypatch.setattr(hydra_fsdp, "_backends_of", lambda group: [nccl])
+    hydra_fsdp._abort_groups()
+    assert [call[0] for call in calls.mock_calls] == ["group_start", "abort_world", "abort_mesh", "group_end"]
+
+
+def test_the_exit_hook_ends_a_running_job_before_it_destroys_the_groups(monkeypatch):
+    """SIGTERM or Ctrl-C mid-stage: the exit hook registered last runs first; it must end the running job
+    (whose close knows its groups were aborted) before a plain destroy, which waits on an aborted NCCL
+    group (D5: it destroyed first)."""
+    calls = mock.Mock()
+    monkeypatch.setattr(hydra_fsdp._sweep, "job", SimpleNamespace(close=calls.close_job))
+    monkeypatch.setattr(hydra_fsdp, "_destroy_process_group", calls.destroy)
+    monkeypatch.setattr(hydra_fsdp.gc, "freeze", lambda: None)
+    hydra_fsdp._end_process_groups_at_exit()
+    assert [call[0] for call in calls.mock_calls] == ["close_job", "destroy"]
+
+
 def test_a_failed_childs_log_excerpt_reads_the_logs_end_only(tmp_path):
     import tracemalloc
 
