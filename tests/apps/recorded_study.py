@@ -4,7 +4,8 @@ sweeper told its study, readable by the tests after the sweep, even one that end
 
 Why not a sqlite storage: hydra-optuna-sweeper 1.3 needs optuna < 3, and optuna 2.10's RDBStorage
 fails on the SQLAlchemy 2 that pip installs beside it (an AssertionError in get_current_version as
-it creates the database), while alembic's releases of today refuse SQLAlchemy 1.
+it creates the database). SQLAlchemy 1.4 needs an alembic older than pip's (1.20 requires SQLAlchemy
+2; 1.13.3 works): two pins in the test extras for everyone, for what this file does without them.
 """
 
 import json
