@@ -28,6 +28,7 @@ LONGEST_FIRST = [
     "test_long_sweeps",  # 49
     "test_sweeps",  # 47
     "test_slurm",  # 47 (where SLURM is installed)
+    "test_optuna",  # 45 (where hydra-optuna-sweeper is installed)
     "test_ecosystem",  # 39
     "test_checkpoints",  # 36
     "test_model_parallel",  # 35

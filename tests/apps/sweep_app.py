@@ -5,7 +5,8 @@ Every rank writes what it saw to <job dir>/seen/<stage>_rank<N>.json, and its pi
 module.fail_rank / module.fail_how ("<init|rendezvous|train|end>_<raise|kill|hang>") in job
 module.fail_job: while the module is built, as the process group is about to be set up, in training,
 or after the task function's last stage.
-The task function runs the stages of ``stages``, each "<stage>[:<same|fresh module>[:<ckpt_path>]]".
+The task function runs the stages of ``stages``, each "<stage>[:<same|fresh module>[:<ckpt_path>]]",
+then returns the metric ``objective`` names, if any (what an Optuna sweep optimizes).
 """
 
 import datetime
@@ -337,6 +338,10 @@ Config = make_config(
     use_datamodule=False,
     rank0_callback=False,  # rank 0 alone gets an extra callback: ranks that would deadlock
     loaders_in_call=False,  # pass the dataloaders straight to trainer.fit/validate/...
+    # for a sweeper that optimizes what the task function returns (Optuna): a metric the stages logged
+    # (e.g. val_loss), returned by every rank and recorded in <job dir>/returned/rank<N>.json, for the
+    # tests to compare with what the sweeper told its study; None returns nothing and records nothing
+    objective=None,
     # for trainer.callbacks=[${keep_last}]: lets a stage load ckpt_path="last"
     keep_last=builds(pl.callbacks.ModelCheckpoint, save_last=True),
     # for trainer.callbacks=[${best_is_first},${keep_last}]: "best" is the epoch of the highest validation
@@ -392,6 +397,12 @@ def task(cfg):
             kwargs["ckpt_path"] = ckpt
         getattr(trainer, stage)(module, **kwargs)
     module._maybe_fail("end")
+    if cfg.objective is not None:
+        returned = float(trainer.callback_metrics[cfg.objective])
+        (job_dir() / "returned").mkdir(exist_ok=True)
+        (job_dir() / "returned" / f"rank{local_rank()}.json").write_text(json.dumps(returned))
+        return returned
+    return None
 
 
 if __name__ == "__main__":
