@@ -1613,6 +1613,8 @@ def _what_this_rank_runs(strategy: "_HydraStrategy") -> dict:
     shapes = [
         (name, tuple(p.shape) if full else "sharded", str(p.dtype)) for name, p in module.named_parameters()
     ]
+    # named: a dtype alone may differ (an earlier job's torch.set_default_dtype stays in rank 0, the sweep's)
+    dtypes = "/".join(sorted({dtype.removeprefix("torch.") for *_, dtype in shapes}))
     settings = ["max_epochs", "max_steps", "accumulate_grad_batches", "precision"]
     settings += [f"limit_{loop}_batches" for loop in ("train", "val", "test", "predict")]
     return {
@@ -1621,7 +1623,7 @@ def _what_this_rank_runs(strategy: "_HydraStrategy") -> dict:
         "loggers": sorted(type(logger).__qualname__ for logger in trainer.loggers),
         **{name: getattr(trainer, name) for name in settings},
         "module": type(module).__qualname__,
-        "module parameters": f"{len(shapes)} tensors"
+        "module parameters": f"{len(shapes)} {dtypes} tensors"
         + (f" of {sum(p.numel() for p in module.parameters())} values" if full else " (sharded)")
         + f", shapes #{hashlib.sha1(repr(shapes).encode()).hexdigest()[:8]}",
         "datamodule": None if trainer.datamodule is None else type(trainer.datamodule).__qualname__,

@@ -791,6 +791,32 @@ def test_rank0_cuda_unusable_after_an_abort_stops_the_sweep_saying_why(tmp_path,
     assert hydra_fsdp._sweep.job is None and not torch.distributed.is_initialized()
 
 
+def test_ranks_whose_parameters_differ_in_dtype_alone_are_told_which_dtypes(monkeypatch):
+    """Rank 0 (the sweep's process) keeps an earlier job's torch.set_default_dtype, a fresh child rank does
+    not: the same module, float64 on rank 0 and float32 on rank 1. The check names the dtypes."""
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    trainer.state.fn = pl.trainer.states.TrainerFn.FITTING
+
+    def strategy_with(dtype):
+        module = FitModule().to(dtype)
+        module.trainer = trainer
+        return SimpleNamespace(
+            num_nodes=1, num_processes=2, world_size=2, _lightning=pl, lightning_module=module,
+            _holds_full_parameters=lambda: True, _stage_ckpt_path=None,
+        )  # fmt: skip
+
+    ranks = [strategy_with(torch.float64), strategy_with(torch.float32)]
+    described = [hydra_fsdp._flat(hydra_fsdp._what_this_rank_runs(rank)) for rank in ranks]
+    monkeypatch.setattr(torch.distributed, "all_gather_object", lambda everyone, mine: everyone.__setitem__(
+        slice(None), described))  # fmt: skip
+    with pytest.raises(RankLaunchError) as raised:
+        hydra_fsdp._check_ranks_agree(ranks[1])
+    differences = str(raised.value).split("disagree on it:\n")[1].split("\nBuild the same")[0]
+    assert differences.startswith("  module parameters: rank 0 '2 float64 tensors of 3 values, shapes #")
+    assert ", rank 1 '2 float32 tensors of 3 values, shapes #" in differences
+    assert "\n" not in differences, "the dtype is the only difference"
+
+
 def test_guard_fsdp_flat_param(monkeypatch):
     unit = SimpleNamespace(_fsdp_handles=[])  # FSDP keeps its handle under another name now
     fsdp = hydra_fsdp._fsdp().FullyShardedDataParallel

@@ -2,7 +2,7 @@
 
 Every rank writes what it saw to <job dir>/seen/<stage>_rank<N>.json, and its pid and state to
 <job dir>/started/rank<N>.json as soon as its module is built. Failures are injected by
-module.fail_rank / module.fail_how ("<init|rendezvous|train|end>_<raise|kill|hang>") in job
+module.fail_rank / module.fail_how ("<init|rendezvous|train|end>_<raise|kill|hang|float64>") in job
 module.fail_job: while the module is built, as the process group is about to be set up, in training,
 or after the task function's last stage.
 The task function runs the stages of ``stages``, each "<stage>[:<same|fresh module>[:<ckpt_path>]]".
@@ -116,6 +116,8 @@ class Tiny(pl.LightningModule):
             os.kill(os.getpid(), 9)
         if how.endswith("hang"):
             time.sleep(10_000)
+        if how.endswith("float64"):  # as an earlier job's torch.set_default_dtype(torch.float64) leaves it
+            self.double()
 
     def configure_callbacks(self):  # Lightning's last call into the module before the rendezvous
         self._maybe_fail("rendezvous")
