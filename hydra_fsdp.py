@@ -378,7 +378,7 @@ def _write_launch(path: Path, hydra_job: dict, spec: "_LaunchSpec") -> bool:
         "module": __name__,
         "sys_path": list(sys.path),
         "sys_argv": list(sys.argv),
-        "cwd": hydra_job["ret"].working_dir,
+        "cwd": os.getcwd(),  # Hydra's working_dir, under hydra.job.chdir, is the job's dir as given: relative
         "main": {"path": script} if script else _launching_script(),
         "hydra": _resolved_where_possible(HydraConfig.get()),
         "config": config,

@@ -61,6 +61,11 @@ CASES = {
             for lr in (0.1, 0.2)
         },
         **SAME_MODULE,
+        # two jobs: the second's children must not work where the first's did (the fork server's cwd)
+        **{
+            f"chdir_{lr}": {"hydra.job.chdir": True, "write_relative": True, "module.lr": lr}
+            for lr in (0.1, 0.2)
+        },
     },
     "fsdp": {
         **{f"shards_{lr}": {"module.lr": lr, **SEED} for lr in (0.1, 0.2)},
@@ -130,6 +135,25 @@ def assert_no_port_shared_at_once(sweeps):
 def test_two_sweeps_at_once_share_no_port(shared_sweep):
     """The shared DDP and FSDP sweeps ran side by side: no two of their jobs met on one port."""
     assert_no_port_shared_at_once([list(shared_sweep(strategy)[0].values()) for strategy in ("ddp", "fsdp")])
+
+
+def test_under_hydra_job_chdir_every_rank_works_in_its_jobs_dir(shared_sweep):
+    """hydra.job.chdir=True: every rank of each job works in that job's dir, rank 0 by Hydra's chdir, a
+    child by hydra_fsdp's (it is forked from a server that works elsewhere): its relative paths land
+    there."""
+    jobs, _ = shared_sweep("ddp")
+    for case in ("chdir_0.1", "chdir_0.2"):
+        job_dir = jobs[case]
+        app = job_dir.parent.parent
+        seen = assert_ranks_agree(job_dir)
+        for rank in (0, 1):
+            assert seen[rank]["cwd"] == str(job_dir) and seen[rank]["original_cwd"] == str(app), (case, rank)
+            written = job_dir / f"relative_rank{rank}.txt"
+            assert written.is_file(), f"rank {rank} wrote its relative path elsewhere than {job_dir}"
+            assert written.read_text() == str(job_dir)
+    # and nowhere else: not in the app's dir, where the sweep started, nor in another job's
+    written = sorted(path.parent.name for path in app.rglob("relative_rank*.txt"))
+    assert written == ["chdir_0.1"] * 2 + ["chdir_0.2"] * 2, written
 
 
 # HydraDDP

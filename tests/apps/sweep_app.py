@@ -339,6 +339,9 @@ Config = make_config(
     use_datamodule=False,
     rank0_callback=False,  # rank 0 alone gets an extra callback: ranks that would deadlock
     loaders_in_call=False,  # pass the dataloaders straight to trainer.fit/validate/...
+    # every rank writes relative_rank<N>.txt, by that relative path, holding its os.getcwd(): where
+    # hydra.job.chdir=True put it (in the job's dir, every rank)
+    write_relative=False,
     # for trainer.callbacks=[${keep_last}]: lets a stage load ckpt_path="last"
     keep_last=builds(pl.callbacks.ModelCheckpoint, save_last=True),
     # for trainer.callbacks=[${best_is_first},${keep_last}]: "best" is the epoch of the highest validation
@@ -383,6 +386,8 @@ def task(cfg):
     trainer = instantiate(cfg.trainer, callbacks=extra + list(cfg.trainer.callbacks or []))
     module = instantiate(cfg.module)
     datamodule = instantiate(cfg.datamodule) if cfg.use_datamodule else None
+    if cfg.write_relative:
+        Path(f"relative_rank{local_rank()}.txt").write_text(os.getcwd())
     for spec in cfg.stages:
         stage, which, ckpt = (spec.split(":") + ["same", "none"])[:3]
         if which == "fresh":
