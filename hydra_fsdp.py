@@ -2001,20 +2001,28 @@ class _HydraModelParallel(_HydraStrategy):
             ) from error
 
     def load_checkpoint(self, checkpoint_path: Any, **kwargs: Any) -> dict:
-        # A full checkpoint of optimizers without per-parameter state (SGD) fails in lightning_fabric's
-        # _rekey_optimizer_state_if_needed (IndexError): with nothing to reshard, torch's own load does.
+        # A full checkpoint is read once, by Lightning (to the CPU); its optimizers' states are loaded here:
+        # one without per-parameter state (SGD) fails in lightning_fabric's _rekey_optimizer_state_if_needed.
         path = Path(self.broadcast(checkpoint_path))
-        saved = torch.load(path, mmap=True, weights_only=kwargs.get("weights_only")) if path.is_file() else {}
-        states = saved.get("optimizer_states")
-        if not states or any(state["state"] for state in states):  # a folder, no optimizers, or with state
+        if not path.is_file() or not self.optimizers:
             return super().load_checkpoint(path, **kwargs)
         optimizers, self.optimizers = self.optimizers, []
         try:
             checkpoint = super().load_checkpoint(path, **kwargs)
         finally:
             self.optimizers = optimizers
-        for optimizer, state in zip(optimizers, states):
-            optimizer.load_state_dict(state)
+        fsdp, strict = _fsdp(), getattr(self.lightning_module, "strict_loading", True)
+        for optimizer, state in zip(optimizers, checkpoint["optimizer_states"]):
+            if not state["state"]:  # nothing to reshard: torch's own load
+                optimizer.load_state_dict(state)
+                continue
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            if isinstance(next(iter(state["state"])), int):  # keyed by position (as DDP saves it): by name
+                by_name = fsdp.OptimStateKeyType.PARAM_NAME
+                state = fsdp.FullyShardedDataParallel.rekey_optim_state_dict(state, by_name, self.model)
+            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state, options=options)
         return checkpoint
 
 

@@ -817,6 +817,54 @@ def test_ranks_whose_parameters_differ_in_dtype_alone_are_told_which_dtypes(monk
     assert "\n" not in differences, "the dtype is the only difference"
 
 
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_a_full_model_parallel_checkpoint_is_read_once_to_the_cpu(tmp_path, monkeypatch, momentum):
+    """HydraModelParallel leaves a full checkpoint to Lightning's one read, to the CPU (without map_location a
+    tensor saved from CUDA lands on the saving rank's GPU), and loads the optimizers' states from it: one
+    without per-parameter state (SGD, no momentum) as torch does, where Lightning's load fails on it."""
+    try:
+        strategy = hydra_fsdp.HydraModelParallel()
+    except ImportError:
+        pytest.skip("no HydraModelParallel on these releases (tested: it refuses to be built)")
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    torch.save(
+        {"state_dict": model.state_dict(), "optimizer_states": [optimizer.state_dict()]}, tmp_path / "f"
+    )
+    reads, lightning_saw, real_load = [], [], torch.load
+    monkeypatch.setattr(
+        torch, "load", lambda *args, **kwargs: reads.append(kwargs) or real_load(*args, **kwargs)
+    )
+
+    # Lightning's read of a full checkpoint (its load of the module needs a device mesh)
+    def lightnings(self, path, weights_only=None):
+        lightning_saw.append(list(self.optimizers))
+        return {
+            **torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only),
+            "state_dict": None,
+        }
+
+    monkeypatch.setattr(pl.strategies.ModelParallelStrategy, "load_checkpoint", lightnings)
+    resharded = mock.Mock()
+    monkeypatch.setattr("torch.distributed.checkpoint.state_dict.set_optimizer_state_dict", resharded)
+    strategy.model, strategy.optimizers = (
+        model,
+        [torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)],
+    )
+    checkpoint = strategy.load_checkpoint(tmp_path / "f")
+    assert [read.get("map_location") for read in reads] == ["cpu"], "read once, to the CPU"
+    assert (
+        lightning_saw == [[]] and checkpoint["optimizer_states"][0]["param_groups"][0]["momentum"] == momentum
+    )
+    if momentum:  # resharded as Lightning does, keyed by name
+        assert resharded.call_args.kwargs["optim_state_dict"]["state"].keys() == {"weight", "bias"}
+    else:
+        resharded.assert_not_called()
+        assert strategy.optimizers[0].state_dict() == optimizer.state_dict()
+
+
 def test_guard_fsdp_flat_param(monkeypatch):
     unit = SimpleNamespace(_fsdp_handles=[])  # FSDP keeps its handle under another name now
     fsdp = hydra_fsdp._fsdp().FullyShardedDataParallel
