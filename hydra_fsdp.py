@@ -1807,8 +1807,11 @@ class _HydraFSDP(_HydraStrategy):
         if self._state_dict_type == "full":
             with _unsharded_while_pickled(modules, checkpoint["state_dict"], self.lightning_module):
                 return super().save_checkpoint(checkpoint, filepath, storage_options)
+        # Gathered to the CPU from GPUs, not onto rank 0's GPU: a whole model on one GPU is what FSDP avoids.
+        # On the CPU in place, as a full state dict is gathered there (see _full_state_gathered_in_place).
         summon_full_params = _fsdp().FullyShardedDataParallel.summon_full_params
-        with summon_full_params(self.model, writeback=False, rank0_only=True):
+        offload = self.root_device.type != "cpu"
+        with summon_full_params(self.model, writeback=False, rank0_only=True, offload_to_cpu=offload):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, **kwargs: Any) -> dict:

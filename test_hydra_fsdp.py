@@ -1,6 +1,7 @@
 """Unit tests: a mocked ``subprocess.Popen`` (and sleep) pins what ``_rank_launch`` starts, and what
 rank 0 refuses before starting anything. End-to-end tests with real processes are in tests/."""
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -863,6 +864,26 @@ def test_a_full_model_parallel_checkpoint_is_read_once_to_the_cpu(tmp_path, monk
     else:
         resharded.assert_not_called()
         assert strategy.optimizers[0].state_dict() == optimizer.state_dict()
+
+
+@needs_fsdp_on_cpu
+@pytest.mark.parametrize("device, offloaded", [("cuda", True), ("cpu", False)])
+def test_a_sharded_checkpoint_gathers_a_module_in_the_hyperparameters_to_the_cpu(
+    monkeypatch, device, offloaded
+):
+    """HydraFSDP pickles an nn.Module of the hyperparameters with its parameters gathered on rank 0: from
+    GPUs to the CPU (onto rank 0's GPU the whole model may not fit), on the CPU in place (offloading
+    there is what crashed Lightning's full state dict, see _full_state_gathered_in_place)."""
+    strategy = HydraFSDP(state_dict_type="sharded")
+    monkeypatch.setattr(type(strategy), "root_device", torch.device(device))
+    summoned, saved = [], []
+    summon = lambda module, **kwargs: summoned.append(kwargs) or contextlib.nullcontext()
+    fsdp = SimpleNamespace(summon_full_params=summon)
+    monkeypatch.setattr(hydra_fsdp, "_fsdp", lambda: SimpleNamespace(FullyShardedDataParallel=fsdp))
+    monkeypatch.setattr(pl.strategies.FSDPStrategy, "save_checkpoint", lambda self, *args: saved.append(args))
+    strategy.model = torch.nn.Linear(2, 1)
+    strategy.save_checkpoint({"hyper_parameters": {"net": torch.nn.Linear(2, 1)}}, "path")
+    assert summoned == [{"writeback": False, "rank0_only": True, "offload_to_cpu": offloaded}] and saved
 
 
 def test_guard_fsdp_flat_param(monkeypatch):
