@@ -104,8 +104,10 @@ _GO_KEY = "hydra_fsdp/go"  # rank 0 runs this job with these children: they may 
 _STAGE_KEY = "hydra_fsdp/stage/{}"  # the fallback: the stages rank 0 runs, in order
 # What a job may change in rank 0's environment (Lightning sets MASTER_*, deletes WORLD_SIZE): put back.
 _RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
-# Rank 0 is the sweep: on a dead peer its NCCL groups abort and keep the process (2), not tear it down
-# (torch's default, 3). For its jobs only; a user's value stands.
+# Rank 0 is the sweep: on a dead peer its NCCL groups abort and keep the process. 2 is torch's CleanUpOnly,
+# "just clean up collectives and abort communicators without tearing down process" (ProcessGroupNCCL.hpp);
+# not its default, 3, which tears it down, nor 0, which aborts nothing (a timed-out collective would be left
+# running on rank 0's GPU). For its jobs only; a user's value stands.
 _NCCL_KEEPS_THE_PROCESS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
 # All that a job may change in rank 0's environment (the threads: _placement), put back at the job's end.
 _JOB_ENV = (*_RENDEZVOUS_ENV, *_NCCL_KEEPS_THE_PROCESS, "OMP_NUM_THREADS")

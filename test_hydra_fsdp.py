@@ -756,6 +756,21 @@ def test_rank0_nccl_keeps_the_sweep_process_unless_the_user_said_otherwise(
         assert {key: call.args[1].get(key) for key in NCCL_ENV} == {key: None for key in NCCL_ENV} | users
 
 
+def test_rank0s_nccl_error_handling_is_the_mode_torch_documents_as_abort_and_keep_the_process():
+    """Which TORCH_NCCL_ASYNC_ERROR_HANDLING value aborts NCCL's communicators and keeps the process, as the
+    header torch ships (include/, in every wheel) documents its ErrorHandlingMode: CleanUpOnly."""
+    header = Path(torch.__file__).parent / "include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp"
+    if not header.is_file():
+        pytest.skip(f"this torch ships no {header.name}")
+    text = " ".join(line.strip(" /") for line in header.read_text().splitlines())
+    assert (
+        "CleanUpOnly: just clean up collectives and abort communicators without tearing down process" in text
+    )
+    modes = dict(re.findall(r"\b(NoHandling|TearDown|CleanUpOnly|SkipCleanUp) = (\d)", text))
+    assert modes == {"NoHandling": "0", "TearDown": "1", "CleanUpOnly": "2", "SkipCleanUp": "3"}
+    assert hydra_fsdp._NCCL_KEEPS_THE_PROCESS["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == modes["CleanUpOnly"]
+
+
 def test_the_abort_is_the_one_this_torch_has(monkeypatch):
     """ProcessGroup.abort of every group from torch 2.7; before, the default group's NCCL backend's abort
     (2.6) or _shutdown (2.3-2.5, where it aborts); gloo's backend has neither (and needs none)."""

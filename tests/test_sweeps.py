@@ -11,7 +11,9 @@ import torch
 from helpers import (
     FSDP_ON_CPU,
     LIGHTNING,
+    RECORD_ALIVE,
     alive,
+    assert_failed_job_then_healthy_job,
     assert_ranks_agree,
     copy_app,
     ok,
@@ -438,6 +440,25 @@ def test_two_gpu_sweep(app, strategy):
         if strategy == "fsdp":
             assert sum(r["params_held"] for r in seen.values()) == seen[0]["params_total"]
         assert_ranks_agree(app / "sweep" / job, "test")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not two_gpus(), reason="needs 2 CUDA GPUs")
+def test_two_gpu_rank0_outlives_a_timed_out_nccl_collective(app):
+    """Rank 1 hangs in training: rank 0's NCCL collective times out (the group's timeout, 5 s), and its
+    watchdog, under TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (torch's CleanUpOnly), aborts the communicators and
+    keeps the process, the sweep's: the job fails, the next one trains. (torch's default, 3, ends the
+    process: the sweep with it; 0 aborts nothing: rank 0 would wait on the GPU for ever.)"""
+    proc = sweep_in(
+        app,
+        "module.lr=0.1,0.2",
+        "trainer.accelerator=gpu",
+        "module.fail_rank=1",
+        "module.fail_how=train_hang",
+        "trainer.strategy.timeout.seconds=5",
+        RECORD_ALIVE,
+    )
+    assert_failed_job_then_healthy_job(app, proc, 1, expect_in_error=["child ranks were still running"])
 
 
 # --------------------------------------------------------------------------- soak
