@@ -104,8 +104,10 @@ _GO_KEY = "hydra_fsdp/go"  # rank 0 runs this job with these children: they may 
 _STAGE_KEY = "hydra_fsdp/stage/{}"  # the fallback: the stages rank 0 runs, in order
 # What a job may change in rank 0's environment (Lightning sets MASTER_*, deletes WORLD_SIZE): put back.
 _RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
-# Rank 0 is the sweep: on a dead peer its NCCL groups abort and keep the process (2), not tear it down
-# (torch's default, 3). For its jobs only; a user's value stands.
+# Rank 0 is the sweep: on a dead peer its NCCL groups abort and keep the process. 2 is torch's CleanUpOnly,
+# "just clean up collectives and abort communicators without tearing down process" (ProcessGroupNCCL.hpp);
+# not its default, 3, which tears it down, nor 0, which aborts nothing (a timed-out collective would be left
+# running on rank 0's GPU). For its jobs only; a user's value stands.
 _NCCL_KEEPS_THE_PROCESS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
 # All that a job may change in rank 0's environment (the threads: _placement), put back at the job's end.
 _JOB_ENV = (*_RENDEZVOUS_ENV, *_NCCL_KEEPS_THE_PROCESS, "OMP_NUM_THREADS")
@@ -379,7 +381,7 @@ def _write_launch(path: Path, hydra_job: dict, spec: "_LaunchSpec") -> bool:
         "module": __name__,
         "sys_path": list(sys.path),
         "sys_argv": list(sys.argv),
-        "cwd": hydra_job["ret"].working_dir,
+        "cwd": os.getcwd(),  # Hydra's working_dir, under hydra.job.chdir, is the job's dir as given: relative
         "main": {"path": script} if script else _launching_script(),
         "hydra": _resolved_where_possible(HydraConfig.get()),
         "config": config,
@@ -1644,6 +1646,8 @@ def _what_this_rank_runs(strategy: "_HydraStrategy") -> dict:
     shapes = [
         (name, tuple(p.shape) if full else "sharded", str(p.dtype)) for name, p in module.named_parameters()
     ]
+    # named: a dtype alone may differ (an earlier job's torch.set_default_dtype stays in rank 0, the sweep's)
+    dtypes = "/".join(sorted({dtype.removeprefix("torch.") for *_, dtype in shapes}))
     settings = ["max_epochs", "max_steps", "accumulate_grad_batches", "precision"]
     settings += [f"limit_{loop}_batches" for loop in ("train", "val", "test", "predict")]
     return {
@@ -1652,7 +1656,7 @@ def _what_this_rank_runs(strategy: "_HydraStrategy") -> dict:
         "loggers": sorted(type(logger).__qualname__ for logger in trainer.loggers),
         **{name: getattr(trainer, name) for name in settings},
         "module": type(module).__qualname__,
-        "module parameters": f"{len(shapes)} tensors"
+        "module parameters": f"{len(shapes)} {dtypes} tensors"
         + (f" of {sum(p.numel() for p in module.parameters())} values" if full else " (sharded)")
         + f", shapes #{hashlib.sha1(repr(shapes).encode()).hexdigest()[:8]}",
         "datamodule": None if trainer.datamodule is None else type(trainer.datamodule).__qualname__,
@@ -1836,8 +1840,11 @@ class _HydraFSDP(_HydraStrategy):
         if self._state_dict_type == "full":
             with _unsharded_while_pickled(modules, checkpoint["state_dict"], self.lightning_module):
                 return super().save_checkpoint(checkpoint, filepath, storage_options)
+        # Gathered to the CPU from GPUs, not onto rank 0's GPU: a whole model on one GPU is what FSDP avoids.
+        # On the CPU in place, as a full state dict is gathered there (see _full_state_gathered_in_place).
         summon_full_params = _fsdp().FullyShardedDataParallel.summon_full_params
-        with summon_full_params(self.model, writeback=False, rank0_only=True):
+        offload = self.root_device.type != "cpu"
+        with summon_full_params(self.model, writeback=False, rank0_only=True, offload_to_cpu=offload):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, **kwargs: Any) -> dict:
@@ -2030,20 +2037,28 @@ class _HydraModelParallel(_HydraStrategy):
             ) from error
 
     def load_checkpoint(self, checkpoint_path: Any, **kwargs: Any) -> dict:
-        # A full checkpoint of optimizers without per-parameter state (SGD) fails in lightning_fabric's
-        # _rekey_optimizer_state_if_needed (IndexError): with nothing to reshard, torch's own load does.
+        # A full checkpoint is read once, by Lightning (to the CPU); its optimizers' states are loaded here:
+        # one without per-parameter state (SGD) fails in lightning_fabric's _rekey_optimizer_state_if_needed.
         path = Path(self.broadcast(checkpoint_path))
-        saved = torch.load(path, mmap=True, weights_only=kwargs.get("weights_only")) if path.is_file() else {}
-        states = saved.get("optimizer_states")
-        if not states or any(state["state"] for state in states):  # a folder, no optimizers, or with state
+        if not path.is_file() or not self.optimizers:
             return super().load_checkpoint(path, **kwargs)
         optimizers, self.optimizers = self.optimizers, []
         try:
             checkpoint = super().load_checkpoint(path, **kwargs)
         finally:
             self.optimizers = optimizers
-        for optimizer, state in zip(optimizers, states):
-            optimizer.load_state_dict(state)
+        fsdp, strict = _fsdp(), getattr(self.lightning_module, "strict_loading", True)
+        for optimizer, state in zip(optimizers, checkpoint["optimizer_states"]):
+            if not state["state"]:  # nothing to reshard: torch's own load
+                optimizer.load_state_dict(state)
+                continue
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            if isinstance(next(iter(state["state"])), int):  # keyed by position (as DDP saves it): by name
+                by_name = fsdp.OptimStateKeyType.PARAM_NAME
+                state = fsdp.FullyShardedDataParallel.rekey_optim_state_dict(state, by_name, self.model)
+            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state, options=options)
         return checkpoint
 
 

@@ -1,6 +1,7 @@
 """Unit tests: a mocked ``subprocess.Popen`` (and sleep) pins what ``_rank_launch`` starts, and what
 rank 0 refuses before starting anything. End-to-end tests with real processes are in tests/."""
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -755,6 +756,21 @@ def test_rank0_nccl_keeps_the_sweep_process_unless_the_user_said_otherwise(
         assert {key: call.args[1].get(key) for key in NCCL_ENV} == {key: None for key in NCCL_ENV} | users
 
 
+def test_rank0s_nccl_error_handling_is_the_mode_torch_documents_as_abort_and_keep_the_process():
+    """Which TORCH_NCCL_ASYNC_ERROR_HANDLING value aborts NCCL's communicators and keeps the process, as the
+    header torch ships (include/, in every wheel) documents its ErrorHandlingMode: CleanUpOnly."""
+    header = Path(torch.__file__).parent / "include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp"
+    if not header.is_file():
+        pytest.skip(f"this torch ships no {header.name}")
+    text = " ".join(line.strip(" /") for line in header.read_text().splitlines())
+    assert (
+        "CleanUpOnly: just clean up collectives and abort communicators without tearing down process" in text
+    )
+    modes = dict(re.findall(r"\b(NoHandling|TearDown|CleanUpOnly|SkipCleanUp) = (\d)", text))
+    assert modes == {"NoHandling": "0", "TearDown": "1", "CleanUpOnly": "2", "SkipCleanUp": "3"}
+    assert hydra_fsdp._NCCL_KEEPS_THE_PROCESS["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == modes["CleanUpOnly"]
+
+
 def test_the_abort_is_the_one_this_torch_has(monkeypatch):
     """ProcessGroup.abort of every group from torch 2.7; before, the default group's NCCL backend's abort
     (2.6) or _shutdown (2.3-2.5, where it aborts); gloo's backend has neither (and needs none)."""
@@ -789,6 +805,100 @@ def test_rank0_cuda_unusable_after_an_abort_stops_the_sweep_saying_why(tmp_path,
     assert "rank 0's CUDA is unusable after this job failed" in str(run.error.code)
     assert "illegal memory access" in str(run.error.code) and "start the process again" in str(run.error.code)
     assert hydra_fsdp._sweep.job is None and not torch.distributed.is_initialized()
+
+
+def test_ranks_whose_parameters_differ_in_dtype_alone_are_told_which_dtypes(monkeypatch):
+    """Rank 0 (the sweep's process) keeps an earlier job's torch.set_default_dtype, a fresh child rank does
+    not: the same module, float64 on rank 0 and float32 on rank 1. The check names the dtypes."""
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    trainer.state.fn = pl.trainer.states.TrainerFn.FITTING
+
+    def strategy_with(dtype):
+        module = FitModule().to(dtype)
+        module.trainer = trainer
+        return SimpleNamespace(
+            num_nodes=1, num_processes=2, world_size=2, _lightning=pl, lightning_module=module,
+            _holds_full_parameters=lambda: True, _stage_ckpt_path=None,
+        )  # fmt: skip
+
+    ranks = [strategy_with(torch.float64), strategy_with(torch.float32)]
+    described = [hydra_fsdp._flat(hydra_fsdp._what_this_rank_runs(rank)) for rank in ranks]
+    monkeypatch.setattr(torch.distributed, "all_gather_object", lambda everyone, mine: everyone.__setitem__(
+        slice(None), described))  # fmt: skip
+    with pytest.raises(RankLaunchError) as raised:
+        hydra_fsdp._check_ranks_agree(ranks[1])
+    differences = str(raised.value).split("disagree on it:\n")[1].split("\nBuild the same")[0]
+    assert differences.startswith("  module parameters: rank 0 '2 float64 tensors of 3 values, shapes #")
+    assert ", rank 1 '2 float32 tensors of 3 values, shapes #" in differences
+    assert "\n" not in differences, "the dtype is the only difference"
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_a_full_model_parallel_checkpoint_is_read_once_to_the_cpu(tmp_path, monkeypatch, momentum):
+    """HydraModelParallel leaves a full checkpoint to Lightning's one read, to the CPU (without map_location a
+    tensor saved from CUDA lands on the saving rank's GPU), and loads the optimizers' states from it: one
+    without per-parameter state (SGD, no momentum) as torch does, where Lightning's load fails on it."""
+    try:
+        strategy = hydra_fsdp.HydraModelParallel()
+    except ImportError:
+        pytest.skip("no HydraModelParallel on these releases (tested: it refuses to be built)")
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    torch.save(
+        {"state_dict": model.state_dict(), "optimizer_states": [optimizer.state_dict()]}, tmp_path / "f"
+    )
+    reads, lightning_saw, real_load = [], [], torch.load
+    monkeypatch.setattr(
+        torch, "load", lambda *args, **kwargs: reads.append(kwargs) or real_load(*args, **kwargs)
+    )
+
+    # Lightning's read of a full checkpoint (its load of the module needs a device mesh)
+    def lightnings(self, path, weights_only=None):
+        lightning_saw.append(list(self.optimizers))
+        return {
+            **torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only),
+            "state_dict": None,
+        }
+
+    monkeypatch.setattr(pl.strategies.ModelParallelStrategy, "load_checkpoint", lightnings)
+    resharded = mock.Mock()
+    monkeypatch.setattr("torch.distributed.checkpoint.state_dict.set_optimizer_state_dict", resharded)
+    strategy.model, strategy.optimizers = (
+        model,
+        [torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)],
+    )
+    checkpoint = strategy.load_checkpoint(tmp_path / "f")
+    assert [read.get("map_location") for read in reads] == ["cpu"], "read once, to the CPU"
+    assert (
+        lightning_saw == [[]] and checkpoint["optimizer_states"][0]["param_groups"][0]["momentum"] == momentum
+    )
+    if momentum:  # resharded as Lightning does, keyed by name
+        assert resharded.call_args.kwargs["optim_state_dict"]["state"].keys() == {"weight", "bias"}
+    else:
+        resharded.assert_not_called()
+        assert strategy.optimizers[0].state_dict() == optimizer.state_dict()
+
+
+@needs_fsdp_on_cpu
+@pytest.mark.parametrize("device, offloaded", [("cuda", True), ("cpu", False)])
+def test_a_sharded_checkpoint_gathers_a_module_in_the_hyperparameters_to_the_cpu(
+    monkeypatch, device, offloaded
+):
+    """HydraFSDP pickles an nn.Module of the hyperparameters with its parameters gathered on rank 0: from
+    GPUs to the CPU (onto rank 0's GPU the whole model may not fit), on the CPU in place (offloading
+    there is what crashed Lightning's full state dict, see _full_state_gathered_in_place)."""
+    strategy = HydraFSDP(state_dict_type="sharded")
+    monkeypatch.setattr(type(strategy), "root_device", torch.device(device))
+    summoned, saved = [], []
+    summon = lambda module, **kwargs: summoned.append(kwargs) or contextlib.nullcontext()
+    fsdp = SimpleNamespace(summon_full_params=summon)
+    monkeypatch.setattr(hydra_fsdp, "_fsdp", lambda: SimpleNamespace(FullyShardedDataParallel=fsdp))
+    monkeypatch.setattr(pl.strategies.FSDPStrategy, "save_checkpoint", lambda self, *args: saved.append(args))
+    strategy.model = torch.nn.Linear(2, 1)
+    strategy.save_checkpoint({"hyper_parameters": {"net": torch.nn.Linear(2, 1)}}, "path")
+    assert summoned == [{"writeback": False, "rank0_only": True, "offload_to_cpu": offloaded}] and saved
 
 
 def test_guard_fsdp_flat_param(monkeypatch):

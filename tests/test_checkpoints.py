@@ -528,6 +528,14 @@ def test_weights_only_is_honoured(project, loads):
     assert_loaded(jobs["plain"], "test", checkpoint(project, "fsdp", "tiny"), 2, "fsdp")
 
 
+NET_DEVICES = """
+import sys, torch
+sys.path.insert(0, ".")  # the checkpoint pickles the app's own classes
+net = torch.load(sys.argv[1], weights_only=False)["hyper_parameters"]["net"]  # where each was saved from
+print(*sorted({str(p.device) for p in net.parameters()}))
+"""
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 @pytest.mark.parametrize("trainer", ["fsdp", "fsdp_sharded"])
@@ -541,6 +549,12 @@ def test_two_gpu_checkpoints_load(project, trainer):
     )
     job_dir = project / f"gpu_{trainer}"
     assert_loaded(job_dir, "test", records(job_dir, "test")[0]["ckpt_path"], 2, trainer)
+    if trainer == "fsdp_sharded":  # the pickled net was gathered to the CPU, not onto rank 0's GPU
+        metadata = job_dir / "checkpoints" / "last.ckpt" / "meta.pt"
+        devices = subprocess.run([sys.executable, "-c", NET_DEVICES, str(metadata)], cwd=project,
+                                 env=app_env(env=TRUSTED), capture_output=True, text=True, timeout=120,
+                                 check=True).stdout.split()  # fmt: skip
+        assert devices == ["cpu"], devices
     last = job_dir / "checkpoints" / "last.ckpt"
     ok(script(project, "train", f"hydra.run.dir=gpu_resume_{trainer}", f"trainer={trainer}", "model=net", gpu,
               "trainer.max_epochs=3", f"ckpt_path={last}"))  # fmt: skip

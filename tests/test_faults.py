@@ -53,8 +53,17 @@ FAILING = {
     # that failed init must not leave rank 0 naming the next job's process group differently
     "rendezvous_kill": {"module.fail_rank": 1, "module.fail_how": "rendezvous_kill", **GROUP_TIMEOUT},
     "train_hang": {"module.fail_rank": 1, "module.fail_how": "train_hang", **GROUP_TIMEOUT},
-    # rank 0 alone builds an EarlyStopping callback, which would deadlock the ranks
-    **{f"mismatch_{strategy}": {"rank0_callback": True, **settings} for strategy, settings in STRATEGIES},
+    # rank 0 alone builds an EarlyStopping callback, which would deadlock the ranks, and its module's
+    # parameters are float64 (as an earlier job's torch.set_default_dtype leaves rank 0, the sweep's)
+    **{
+        f"mismatch_{strategy}": {
+            "rank0_callback": True,
+            "module.fail_rank": 0,
+            "module.fail_how": "init_float64",
+            **settings,
+        }
+        for strategy, settings in STRATEGIES
+    },
 }
 if not FSDP_ON_CPU:  # Lightning refuses FSDP on the CPU: the FSDP tests skip (conftest.py)
     FAILING = {case: settings for case, settings in FAILING.items() if not case.endswith("fsdp")}
@@ -301,6 +310,8 @@ def test_ranks_about_to_run_different_things_fail_their_job_fast(failing_sweep, 
         "RankLaunchError: The ranks of this job are about to run different things in trainer.fit()" in error
     )
     assert "callbacks: rank 0 [EarlyStopping], rank 1 []" in error
+    assert "module parameters: rank 0 '4 float64 tensors of " in error, error
+    assert ", rank 1 '4 float32 tensors of " in error
     assert not records(app / "sweep" / case)
     assert_ranks_agree(app / "sweep" / f"{case}_next")  # the sweep went on
     # from the mismatched job's module being built (before fit) to the next job's: its whole failure

@@ -438,3 +438,31 @@ def test_two_gpu_nccl_sweep_and_a_failed_rank(app):
     assert (
         sum(rank["params_held"] for rank in records(app / "sweep" / "1").values()) == seen[0]["params_total"]
     )
+
+
+def saved_on(path):
+    """The devices a checkpoint file's tensors were saved from ("cpu", "cuda:1"...)."""
+    found = set()
+    torch.load(
+        path, map_location=lambda storage, location: found.add(location) or storage, weights_only=False
+    )
+    return found
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.device_count() >= 2), reason="needs 2 CUDA GPUs"
+)
+def test_a_full_checkpoint_saved_on_cuda_1_loads_where_one_gpu_is_visible(app):
+    """HydraDDP on cuda:1 alone saves a full checkpoint of tensors on cuda:1; HydraModelParallel reads it
+    to the CPU, as Lightning does, and tests it with one GPU visible. (Read without map_location it
+    could not: "Attempting to deserialize object on CUDA device 1 but torch.cuda.device_count() is 1".)"""
+    one_gpu = ("trainer.accelerator=gpu", "trainer.devices=1")
+    saving = (*one_gpu, "trainer.enable_checkpointing=true", "trainer.callbacks=[${keep_last}]")
+    ok(helpers.run_app(app, "hydra.sweep.dir=saved", *saving, env={"HYDRA_FSDP_GPUS": "1"}))
+    last = app / "saved" / "0" / "checkpoints" / "last.ckpt"
+    assert "cuda:1" in saved_on(last)
+    mesh_of_one = ("+trainer.strategy.data_parallel_size=1", "+trainer.strategy.tensor_parallel_size=1")
+    testing = (*one_gpu, *mesh_of_one, f"stages=['test:same:{last}']")
+    ok(sweep_in(app, *testing, strategy="model_parallel", env={"CUDA_VISIBLE_DEVICES": "0"}))
+    assert records(app / "sweep" / "0", "test")[0]["strategy"].endswith("HydraModelParallel")

@@ -11,7 +11,9 @@ import torch
 from helpers import (
     FSDP_ON_CPU,
     LIGHTNING,
+    RECORD_ALIVE,
     alive,
+    assert_failed_job_then_healthy_job,
     assert_ranks_agree,
     copy_app,
     ok,
@@ -61,6 +63,11 @@ CASES = {
             for lr in (0.1, 0.2)
         },
         **SAME_MODULE,
+        # two jobs: the second's children must not work where the first's did (the fork server's cwd)
+        **{
+            f"chdir_{lr}": {"hydra.job.chdir": True, "write_relative": True, "module.lr": lr}
+            for lr in (0.1, 0.2)
+        },
     },
     "fsdp": {
         **{f"shards_{lr}": {"module.lr": lr, **SEED} for lr in (0.1, 0.2)},
@@ -130,6 +137,25 @@ def assert_no_port_shared_at_once(sweeps):
 def test_two_sweeps_at_once_share_no_port(shared_sweep):
     """The shared DDP and FSDP sweeps ran side by side: no two of their jobs met on one port."""
     assert_no_port_shared_at_once([list(shared_sweep(strategy)[0].values()) for strategy in ("ddp", "fsdp")])
+
+
+def test_under_hydra_job_chdir_every_rank_works_in_its_jobs_dir(shared_sweep):
+    """hydra.job.chdir=True: every rank of each job works in that job's dir, rank 0 by Hydra's chdir, a
+    child by hydra_fsdp's (it is forked from a server that works elsewhere): its relative paths land
+    there."""
+    jobs, _ = shared_sweep("ddp")
+    for case in ("chdir_0.1", "chdir_0.2"):
+        job_dir = jobs[case]
+        app = job_dir.parent.parent
+        seen = assert_ranks_agree(job_dir)
+        for rank in (0, 1):
+            assert seen[rank]["cwd"] == str(job_dir) and seen[rank]["original_cwd"] == str(app), (case, rank)
+            written = job_dir / f"relative_rank{rank}.txt"
+            assert written.is_file(), f"rank {rank} wrote its relative path elsewhere than {job_dir}"
+            assert written.read_text() == str(job_dir)
+    # and nowhere else: not in the app's dir, where the sweep started, nor in another job's
+    written = sorted(path.parent.name for path in app.rglob("relative_rank*.txt"))
+    assert written == ["chdir_0.1"] * 2 + ["chdir_0.2"] * 2, written
 
 
 # HydraDDP
@@ -414,6 +440,25 @@ def test_two_gpu_sweep(app, strategy):
         if strategy == "fsdp":
             assert sum(r["params_held"] for r in seen.values()) == seen[0]["params_total"]
         assert_ranks_agree(app / "sweep" / job, "test")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not two_gpus(), reason="needs 2 CUDA GPUs")
+def test_two_gpu_rank0_outlives_a_timed_out_nccl_collective(app):
+    """Rank 1 hangs in training: rank 0's NCCL collective times out (the group's timeout, 5 s), and its
+    watchdog, under TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (torch's CleanUpOnly), aborts the communicators and
+    keeps the process, the sweep's: the job fails, the next one trains. (torch's default, 3, ends the
+    process: the sweep with it; 0 aborts nothing: rank 0 would wait on the GPU for ever.)"""
+    proc = sweep_in(
+        app,
+        "module.lr=0.1,0.2",
+        "trainer.accelerator=gpu",
+        "module.fail_rank=1",
+        "module.fail_how=train_hang",
+        "trainer.strategy.timeout.seconds=5",
+        RECORD_ALIVE,
+    )
+    assert_failed_job_then_healthy_job(app, proc, 1, expect_in_error=["child ranks were still running"])
 
 
 # --------------------------------------------------------------------------- soak

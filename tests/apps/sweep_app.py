@@ -2,7 +2,7 @@
 
 Every rank writes what it saw to <job dir>/seen/<stage>_rank<N>.json, and its pid and state to
 <job dir>/started/rank<N>.json as soon as its module is built. Failures are injected by
-module.fail_rank / module.fail_how ("<init|rendezvous|train|end>_<raise|kill|hang>") in job
+module.fail_rank / module.fail_how ("<init|rendezvous|train|end>_<raise|kill|hang|float64>") in job
 module.fail_job: while the module is built, as the process group is about to be set up, in training,
 or after the task function's last stage.
 The task function runs the stages of ``stages``, each "<stage>[:<same|fresh module>[:<ckpt_path>]]",
@@ -117,6 +117,8 @@ class Tiny(pl.LightningModule):
             os.kill(os.getpid(), 9)
         if how.endswith("hang"):
             time.sleep(10_000)
+        if how.endswith("float64"):  # as an earlier job's torch.set_default_dtype(torch.float64) leaves it
+            self.double()
 
     def configure_callbacks(self):  # Lightning's last call into the module before the rendezvous
         self._maybe_fail("rendezvous")
@@ -342,6 +344,9 @@ Config = make_config(
     # (e.g. val_loss), returned by every rank and recorded in <job dir>/returned/rank<N>.json, for the
     # tests to compare with what the sweeper told its study; None returns nothing and records nothing
     objective=None,
+    # every rank writes relative_rank<N>.txt, by that relative path, holding its os.getcwd(): where
+    # hydra.job.chdir=True put it (in the job's dir, every rank)
+    write_relative=False,
     # for trainer.callbacks=[${keep_last}]: lets a stage load ckpt_path="last"
     keep_last=builds(pl.callbacks.ModelCheckpoint, save_last=True),
     # for trainer.callbacks=[${best_is_first},${keep_last}]: "best" is the epoch of the highest validation
@@ -386,6 +391,8 @@ def task(cfg):
     trainer = instantiate(cfg.trainer, callbacks=extra + list(cfg.trainer.callbacks or []))
     module = instantiate(cfg.module)
     datamodule = instantiate(cfg.datamodule) if cfg.use_datamodule else None
+    if cfg.write_relative:
+        Path(f"relative_rank{local_rank()}.txt").write_text(os.getcwd())
     for spec in cfg.stages:
         stage, which, ckpt = (spec.split(":") + ["same", "none"])[:3]
         if which == "fresh":
