@@ -129,7 +129,7 @@ _WHERE_CLASSES_GO = (
 # In a child rank hydra_fsdp started, the job it runs: its task function and config (see _hydra_job).
 _child_job: dict | None = None
 # The releases CI ran.
-_KNOWN_TO_WORK = "torch 2.3 to 2.15, Lightning 2.2 to 2.6, hydra-core 1.3.0 to 1.3.8"
+_KNOWN_TO_WORK = "torch 2.3 to 2.15, Lightning 2.2 to 2.6, hydra-core 1.3.0 to 1.3.8 and 1.4.0rc3"
 
 
 class RankLaunchError(RuntimeError):
@@ -2085,6 +2085,12 @@ class _HydraFabricFSDP(_HydraFabricStrategy):
 
 
 # ---------- the public classes, on the Lightning namespace in use
+# Lightning's strategies are classes of one of two namespaces (pytorch_lightning, lightning.pytorch), and a
+# Trainer takes only its own namespace's; so the class a user configures, ``hydra_fsdp.HydraDDP`` (below),
+# holds no code: calling it builds ``hydra_fsdp.<namespace>.HydraDDP``, a subclass of ``_HydraStrategy``
+# (what every strategy adds, above) and of that namespace's ``DDPStrategy``, made by ``_strategies_for``.
+# HydraFSDP adds ``_HydraFSDP``, HydraModelParallel ``_HydraModelParallel``; Fabric's ones
+# ``_HydraFabricStrategy``.
 
 
 @functools.cache
