@@ -453,8 +453,8 @@ class _ForkServer:
     A fork of it is up in milliseconds, not seconds, and still a fresh process (rank 0's script imported
     anew, the job's environment): the server imports nothing more, starts no thread, never touches CUDA.
     Run as ``python /path/to/hydra_fsdp.py``, it reads a child's command a line on stdin, answers its pid
-    and later its exit code (read by a thread, which notifies ``said`` and calls a failed child's
-    ``on_failure``), and ends, ending its children, with rank 0.
+    and later its exit code on a pipe of their own (read by a thread, which notifies ``said`` and calls a
+    failed child's ``on_failure``), and ends, ending its children, with rank 0.
     """
 
     def __init__(self, lightning: str, said: threading.Condition) -> None:
@@ -462,13 +462,19 @@ class _ForkServer:
         env = {key: value for key, value in os.environ.items() if key not in env_set}
         env.update(PYTHONUNBUFFERED="1", PYTORCH_NVML_BASED_CUDA_CHECK="1")
         self.imports = [lightning] + [name for name in ("hydra_zen",) if name in sys.modules]
-        env[_SERVER_ENV] = json.dumps({"sys_path": sys.path, "module": __name__, "imports": self.imports})
+        # Replies on a pipe of their own: the server's stdout, which its imports may print to, is stderr.
+        replies, write_end = os.pipe()
+        server = {"sys_path": sys.path, "module": __name__, "imports": self.imports, "replies": write_end}
+        env[_SERVER_ENV] = json.dumps(server)
         self.proc = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__)],
             env=env,
             stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
+            stdout=2,
+            pass_fds=[write_end],
         )
+        os.close(write_end)
+        self.replies = os.fdopen(replies, "rb")
         self.said = said
         self.started: list[int] = []
         self.exit_codes: dict[int, int] = {}
@@ -479,7 +485,7 @@ class _ForkServer:
 
     def _read_replies(self) -> None:
         try:
-            for reply in map(json.loads, self.proc.stdout):
+            for reply in map(json.loads, self.replies):
                 with self.said:
                     if "started" in reply:
                         self.started.append(reply["started"])
@@ -509,8 +515,7 @@ class _ForkServer:
             self.proc.stdin.write(json.dumps(request).encode() + b"\n")
             self.proc.stdin.flush()
         if not _wait_until(self.said, lambda: self.started or self.lost, timeout):
-            self.proc.kill()
-            self.proc.wait()
+            self.end()
             raise ChildRankError(
                 f"hydra_fsdp's fork server (pid {self.proc.pid}), which imports {', '.join(self.imports)}"
                 f" once for the sweep's child ranks, started none within {timeout:g} s and was ended. Raise"
@@ -518,8 +523,8 @@ class _ForkServer:
             )
         if not self.started:
             raise ChildRankError(
-                f"hydra_fsdp's fork server (pid {self.proc.pid}) exited with code {self.proc.wait()} before"
-                " it started a child rank; its error is in rank 0's output above."
+                f"hydra_fsdp's fork server (pid {self.proc.pid}) ended (exit code {self.end()}) before it"
+                " started a child rank; its error is in rank 0's output above."
             )
         with self.said:
             pid = self.started.pop(0)
@@ -541,8 +546,15 @@ class _ForkServer:
                     f"hydra_fsdp: the fork server (pid {self.proc.pid}) did not end {_KILL_WAIT:g} s after"
                     " the sweep's end (a child rank it waits for is stuck in the kernel?): it was killed."
                 )
-                self.proc.kill()
-                self.proc.wait()
+                self.end()
+
+    def end(self) -> int | None:
+        """Kill the server and reap it: its exit code, or None if the kernel still holds it after
+        ``_KILL_WAIT`` s (a child of it stuck there), which no wait of the sweep's may outlast."""
+        self.proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return self.proc.wait(_KILL_WAIT)
+        return None
 
 
 class _ForkedChild:
@@ -570,7 +582,7 @@ class _ForkedChild:
         self.send_signal(signal.SIGKILL)
 
 
-def _serve_forks(imports: list) -> None:
+def _serve_forks(imports: list, replies: int) -> None:
     """The fork server's loop: fork a child per request, report its exit."""
     gc.disable()  # collecting a growing heap would take a fifth of the imports' time
     for name in imports:  # what every child needs, imported once for all of them
@@ -578,8 +590,6 @@ def _serve_forks(imports: list) -> None:
     # The children's collections skip what the server holds (0.2 s, and a copy of every page).
     gc.freeze()
     gc.enable()
-    replies = os.dup(1)
-    os.dup2(2, 1)  # whatever anything prints goes to rank 0's stderr, never into the replies
     # Ctrl-C reaches rank 0 and the children, which react as a process rank 0 started would.
     sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
@@ -2272,4 +2282,4 @@ if __name__ == "__main__":
         sys.exit(f"usage: python {__file__} <job dir>/{_LAUNCH_FILE}, in the environment _rank_launch shows")
     _server = json.loads(os.environ.pop(_SERVER_ENV))
     sys.path[:] = _server["sys_path"]
-    importlib.import_module(_server["module"])._serve_forks(_server["imports"])
+    importlib.import_module(_server["module"])._serve_forks(_server["imports"], _server["replies"])

@@ -148,15 +148,19 @@ def test_the_fork_server_is_started_once_clean_of_the_job(tmp_path):
     (call,) = run.popen.call_args_list  # one server, however many children
     assert call.args[0] == [sys.executable, os.path.abspath(hydra_fsdp.__file__)]
     env = call.kwargs["env"]
-    assert json.loads(env["HYDRA_FSDP_FORK_SERVER"]) == {
+    server = json.loads(env["HYDRA_FSDP_FORK_SERVER"])
+    assert server == {
         "sys_path": sys.path,
         "module": "hydra_fsdp",
         "imports": ["pytorch_lightning", "hydra_zen"],
+        "replies": server["replies"],
     }
     assert env["PYTORCH_NVML_BASED_CUDA_CHECK"] == "1"  # a CUDA query never initialises CUDA there
     assert "JOB_ONLY" not in env and env["PATH"] == os.environ["PATH"]  # env_set is the children's own
     assert all(c.args[1]["JOB_ONLY"] == "1" for c in run.start.call_args_list)
-    assert (call.kwargs["stdin"], call.kwargs["stdout"]) == (subprocess.PIPE, subprocess.PIPE)
+    # What it prints goes to rank 0's stderr; its replies, on a pipe of their own, are never mixed in.
+    assert (call.kwargs["stdin"], call.kwargs["stdout"]) == (subprocess.PIPE, 2)
+    assert call.kwargs["pass_fds"] == [server["replies"]]
 
 
 def test_the_child_gets_the_task_function_and_where_rank0_stands(tmp_path):
@@ -1056,7 +1060,8 @@ def test_a_failed_childs_callback_that_raises_leaves_the_reader_reading(caplog):
     """Its end would mark the live server lost: its running children read as killed, and the next job's
     start would wait, unbounded, on the live server."""
     read_end, write_end = os.pipe()
-    server = stand_in_server(SimpleNamespace(stdout=os.fdopen(read_end, "rb")))
+    server = stand_in_server(None)
+    server.replies = os.fdopen(read_end, "rb")
     later = mock.Mock()
     server.on_failure = {11: mock.Mock(side_effect=RuntimeError("the abort failed")), 12: later}
     reader = threading.Thread(target=server._read_replies, daemon=True)
@@ -1087,6 +1092,47 @@ def test_closing_a_server_stuck_on_a_child_is_bounded(monkeypatch):
     finally:
         server.proc.kill()
         server.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def chatty_fork_server(tmp_path_factory):
+    """A real fork server whose "Lightning" prints at import, as a banner or a notice on stdout would; a
+    child it forks sleeps (in its import of ``<lightning>.utilities.rank_zero``) until it is killed."""
+    lightning = tmp_path_factory.mktemp("stand_in") / "chatty_lightning"
+    (lightning / "utilities").mkdir(parents=True)
+    (lightning / "__init__.py").write_text("print('a banner, printed at import')\n")
+    (lightning / "utilities" / "__init__.py").write_text("")
+    (lightning / "utilities" / "rank_zero.py").write_text("import time\ntime.sleep(60)\n")
+    hydra_config = SimpleNamespace(get=lambda: SimpleNamespace(job=SimpleNamespace(env_set={})))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(lightning.parent))
+        patch.setattr(hydra_fsdp, "HydraConfig", hydra_config)
+        server = hydra_fsdp._ForkServer("chatty_lightning", threading.Condition())
+    yield server
+    server.close()
+
+
+def start_a_sleeping_child(server, log, timeout=60):
+    """``server.start``, run on a thread: None where it did not return within ``timeout`` + 30 s."""
+    env = dict(os.environ, LOCAL_RANK="1")
+    started = []
+    starting = threading.Thread(
+        target=lambda: started.append(server.start(["sleep"], env, log, timeout, lambda: None)), daemon=True
+    )
+    starting.start()
+    starting.join(timeout + 30)
+    return started[0] if started else None
+
+
+def test_a_fork_server_whose_imports_print_still_starts_children(chatty_fork_server, tmp_path):
+    """The server's replies were its stdout, which it redirected only after its imports: a line an import
+    printed killed the reader (a JSON decode error), and start() then waited, without a bound, for the
+    live server to exit."""
+    child = start_a_sleeping_child(chatty_fork_server, tmp_path / "rank_1.log", timeout=30)
+    assert child is not None, "start() is still waiting, on a server that runs, for a reply it lost"
+    assert not chatty_fork_server.lost and child.poll() is None
+    child.kill()
+    assert child.wait(timeout=10) == -signal.SIGKILL
 
 
 @pytest.mark.parametrize("wrapped_by_the_user", [False, True])
