@@ -463,18 +463,21 @@ class _ForkServer:
         env.update(PYTHONUNBUFFERED="1", PYTORCH_NVML_BASED_CUDA_CHECK="1")
         self.imports = [lightning] + [name for name in ("hydra_zen",) if name in sys.modules]
         # Replies on a pipe of their own: the server's stdout, which its imports may print to, is stderr.
-        replies, write_end = os.pipe()
-        server = {"sys_path": sys.path, "module": __name__, "imports": self.imports, "replies": write_end}
+        # Requests to signal a child too: a signal's thread (send_signal) never writes amid a fork request.
+        (replies, write_end), (read_end, signals) = os.pipe(), os.pipe()
+        fds = [write_end, read_end]
+        server = {"sys_path": sys.path, "module": __name__, "imports": self.imports, "fds": fds}
         env[_SERVER_ENV] = json.dumps(server)
         self.proc = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__)],
             env=env,
             stdin=subprocess.PIPE,
             stdout=2,
-            pass_fds=[write_end],
+            pass_fds=fds,
         )
-        os.close(write_end)
-        self.replies = os.fdopen(replies, "rb")
+        for fd in fds:  # the server's ends
+            os.close(fd)
+        self.replies, self.signals = os.fdopen(replies, "rb"), os.fdopen(signals, "wb", buffering=0)
         self.said = said
         self.started: list[int] = []
         self.exit_codes: dict[int, int] = {}
@@ -548,6 +551,13 @@ class _ForkServer:
                 )
                 self.end()
 
+    def send_signal(self, pid: int, signum: int) -> None:
+        """Have the server send ``signum`` to its child ``pid``, from any thread. Only the server, which
+        reaps its children, knows that ``pid`` is still its child's: rank 0 hears of a child's exit only
+        after it was reaped, when its pid may already be another process's."""
+        with contextlib.suppress(OSError):  # a server that died took its children with it
+            self.signals.write(f"{pid} {signum}\n".encode())  # one write of a few bytes: never split
+
     def end(self) -> int | None:
         """Kill the server and reap it: its exit code, or None if the kernel still holds it after
         ``_KILL_WAIT`` s (a child of it stuck there), which no wait of the sweep's may outlast."""
@@ -573,16 +583,13 @@ class _ForkedChild:
         return self.poll()
 
     def send_signal(self, signum: int) -> None:
-        # By pid, from any thread: the server reaps a child only once it has exited.
-        if self.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signum)
+        self.server.send_signal(self.pid, signum)  # which it sends only to a child it has not reaped
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
 
-def _serve_forks(imports: list, replies: int) -> None:
+def _serve_forks(imports: list, replies: int, signals: int) -> None:
     """The fork server's loop: fork a child per request, report its exit."""
     gc.disable()  # collecting a growing heap would take a fifth of the imports' time
     for name in imports:  # what every child needs, imported once for all of them
@@ -596,7 +603,13 @@ def _serve_forks(imports: list, replies: int) -> None:
     children: set = set()
     unread = b""
     while os.getppid() == parent:
-        if select.select([0], [], [], _POLL_INTERVAL)[0]:
+        ready = select.select([0, signals], [], [], _POLL_INTERVAL)[0]
+        if signals in ready:  # rank 0's "<pid> <signal>": only to a child not reaped, whose pid is its own
+            words = list(map(int, os.read(signals, 1 << 16).split()))
+            for pid, signum in zip(words[::2], words[1::2]):
+                if pid in children:
+                    os.kill(pid, signum)
+        if 0 in ready:
             heard = os.read(0, 1 << 16)
             if not heard:
                 break
@@ -604,7 +617,7 @@ def _serve_forks(imports: list, replies: int) -> None:
             for request in map(json.loads, lines):
                 pid = os.fork()
                 if pid == 0:
-                    _run_forked(request, imports[0], replies, sigint)
+                    _run_forked(request, imports[0], (replies, signals), sigint)
                 children.add(pid)
                 os.write(replies, json.dumps({"started": pid}).encode() + b"\n")
         for pid in list(children):
@@ -627,10 +640,11 @@ def _set_rank_zero_only(lightning: str, rank: int) -> None:
     rank_zero_only.rank = rank
 
 
-def _run_forked(request: dict, lightning: str, replies: int, sigint: Any) -> None:
+def _run_forked(request: dict, lightning: str, server_fds: tuple, sigint: Any) -> None:
     """In a fresh fork of the server: become the child rank ``request`` starts."""
     try:
-        os.close(replies)
+        for fd in server_fds:
+            os.close(fd)
         signal.signal(signal.SIGINT, sigint)
         for fd, path, flags in (
             (0, os.devnull, os.O_RDONLY),
@@ -2282,4 +2296,4 @@ if __name__ == "__main__":
         sys.exit(f"usage: python {__file__} <job dir>/{_LAUNCH_FILE}, in the environment _rank_launch shows")
     _server = json.loads(os.environ.pop(_SERVER_ENV))
     sys.path[:] = _server["sys_path"]
-    importlib.import_module(_server["module"])._serve_forks(_server["imports"], _server["replies"])
+    importlib.import_module(_server["module"])._serve_forks(_server["imports"], *_server["fds"])

@@ -1,6 +1,7 @@
 """Unit tests: a mocked ``subprocess.Popen`` (and sleep) pins what ``_rank_launch`` starts, and what
 rank 0 refuses before starting anything. End-to-end tests with real processes are in tests/."""
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -153,14 +154,14 @@ def test_the_fork_server_is_started_once_clean_of_the_job(tmp_path):
         "sys_path": sys.path,
         "module": "hydra_fsdp",
         "imports": ["pytorch_lightning", "hydra_zen"],
-        "replies": server["replies"],
+        "fds": server["fds"],  # the replies' pipe, and that of requests to signal a child
     }
     assert env["PYTORCH_NVML_BASED_CUDA_CHECK"] == "1"  # a CUDA query never initialises CUDA there
     assert "JOB_ONLY" not in env and env["PATH"] == os.environ["PATH"]  # env_set is the children's own
     assert all(c.args[1]["JOB_ONLY"] == "1" for c in run.start.call_args_list)
     # What it prints goes to rank 0's stderr; its replies, on a pipe of their own, are never mixed in.
     assert (call.kwargs["stdin"], call.kwargs["stdout"]) == (subprocess.PIPE, 2)
-    assert call.kwargs["pass_fds"] == [server["replies"]]
+    assert call.kwargs["pass_fds"] == server["fds"]
 
 
 def test_the_child_gets_the_task_function_and_where_rank0_stands(tmp_path):
@@ -668,6 +669,7 @@ def test_a_child_that_outlives_sigkill_is_not_waited_for_forever(tmp_path, monke
     monkeypatch.setattr(hydra_fsdp, "_KILL_WAIT", 0.2)
     sleeper = subprocess.Popen(["sleep", "60"])
     server = SimpleNamespace(exit_codes={}, lost=False, said=threading.Condition())  # it never says
+    server.send_signal = lambda pid, signum: sleeper.poll() is None and os.kill(pid, signum)
     children = hydra_fsdp._ChildRanks(tmp_path, server.said)
     children.add(1, hydra_fsdp._ForkedChild(server, sleeper.pid))
     try:
@@ -1133,6 +1135,25 @@ def test_a_fork_server_whose_imports_print_still_starts_children(chatty_fork_ser
     assert not chatty_fork_server.lost and child.poll() is None
     child.kill()
     assert child.wait(timeout=10) == -signal.SIGKILL
+
+
+def test_a_pid_the_server_reaped_is_never_signalled(chatty_fork_server, tmp_path):
+    """The server reaps a child before rank 0 hears that it exited: in that window rank 0 still sees it
+    running, and its pid may already be another process's. Only the server, which reaps, may signal."""
+    child = start_a_sleeping_child(chatty_fork_server, tmp_path / "rank_1.log")
+    recycled = subprocess.Popen(["sleep", "60"])  # a process that got the pid of a child reaped since
+    try:
+        hydra_fsdp._ForkedChild(chatty_fork_server, recycled.pid).kill()  # rank 0 has not heard it exited
+        child.kill()  # after the other, in order: once this one is reaped, the other request was read
+        assert child.wait(timeout=10) == -signal.SIGKILL
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            recycled.wait(timeout=1)
+        assert recycled.poll() is None, (
+            f"rank 0 sent SIGKILL to pid {recycled.pid}, not a child of the server"
+        )
+    finally:
+        recycled.kill()
+        recycled.wait()
 
 
 @pytest.mark.parametrize("wrapped_by_the_user", [False, True])
