@@ -877,7 +877,6 @@ class _Sweep(Callback):
     def __init__(self) -> None:
         self.said = threading.Condition()  # notified whenever the fork server says something
         self.fork_server: _ForkServer | None = None
-        self.store_ports: set = set()  # of every job's store (see new_store)
         self.job: _Job | None = None  # whose child ranks run, from its first stage until Hydra ends it
         self.wrapped: list = []  # the FSDP wrappers the running job built, for its end to free
         self.last_spec: _LaunchSpec | None = None
@@ -920,17 +919,18 @@ class _Sweep(Callback):
         return self.fork_server
 
     def new_store(self, address: str) -> torch.distributed.TCPStore:
-        """A job's store, which init_process_group reuses, on a port no earlier job had: torch's cache
-        of stores by port would hide it behind an earlier job's dead one (EADDRINUSE)."""
-        refused = []  # held until a new port is found, so that the OS offers another
+        """A job's store, which init_process_group finds by its port in torch's cache of stores. That cache
+        keeps the first store of each port, a dead one too (an earlier job's, whose port the OS offers
+        again), until a lookup of that port by its number drops it: the store is opened by its number,
+        where init_process_group would otherwise start a second server (EADDRINUSE)."""
         while True:
-            store = torch.distributed.TCPStore(
-                address, 0, is_master=True, multi_tenant=True, wait_for_workers=False
-            )
-            if store.port not in self.store_ports:
-                self.store_ports.add(store.port)
-                return store
-            refused.append(store)
+            free = torch.distributed.TCPStore(address, 0, is_master=True, wait_for_workers=False)
+            port = free.port
+            del free  # the port is free again, unless another process takes it: then another one
+            with contextlib.suppress(torch.distributed.DistNetworkError):
+                return torch.distributed.TCPStore(
+                    address, port, is_master=True, multi_tenant=True, wait_for_workers=False
+                )
 
     def follow(self, hydra_context: Any) -> "_Sweep":
         # Hydra's Callbacks (private): the only way to its job ends without the user's config.

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 from typing import NamedTuple
@@ -314,34 +315,75 @@ def test_fallback_without_the_module_in_the_config_fails_naming_file_and_key(tmp
     run.start.assert_not_called()
 
 
-def test_a_job_store_is_never_on_a_port_an_earlier_job_had():
-    # The OS offers a port again after tens of jobs (6 to 160 seen here). torch's cache of
-    # multi-tenant stores then still holds the earlier job's dead one for that port, hides the new
-    # one, and the lookup init_process_group makes starts a second server there: EADDRINUSE.
+def test_a_job_store_on_a_port_an_earlier_job_had_is_the_one_init_process_group_finds():
+    # The OS offers a port again after tens of jobs (6 to 160 seen here). torch's cache of multi-tenant
+    # stores still holds the earlier job's dead store for that port, and keeps it over a server opened
+    # the port-0 way: init_process_group's lookup by the port's number then misses the job's store and
+    # starts a second server there (EADDRINUSE). A job's store is opened by its port's number.
     real_store = torch.distributed.TCPStore
-    earlier = hydra_fsdp._sweep.new_store("127.0.0.1")
-    port = earlier.port
-    del earlier
-
-    def on_that_port_again(address, _port, **kwargs):  # what port 0 then gives: a server the cache misses
-        return real_store(address, port, **dict(kwargs, multi_tenant=False))
-
-    again = on_that_port_again("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port = hydra_fsdp._sweep.new_store("127.0.0.1").port  # the job ended: its store is dead, and cached
+    missed = real_store("127.0.0.1", port, is_master=True, wait_for_workers=False)  # one the cache misses
     with pytest.raises(torch.distributed.DistNetworkError, match="EADDRINUSE|Address already in use"):
         real_store("127.0.0.1", port, is_master=True, multi_tenant=True)  # as init_process_group looks
-    del again
+    del missed
+    real_store("127.0.0.1", port, is_master=True, multi_tenant=True)  # dead, and cached again
 
-    offers = iter([on_that_port_again])
+    offers = iter([lambda address, _port, **kwargs: real_store(address, port, **kwargs)])  # that port again
     with mock.patch.object(
         hydra_fsdp.torch.distributed,
         "TCPStore",
         side_effect=lambda *a, **k: next(offers, real_store)(*a, **k),
     ) as made:
         store = hydra_fsdp._sweep.new_store("127.0.0.1")
-    assert made.call_count == 2 and store.port != port
+    assert made.call_count == 2 and store.port == port
     lookup = real_store("127.0.0.1", store.port, is_master=True, multi_tenant=True, wait_for_workers=False)
     lookup.set("job", "mine")
     assert store.get("job") == b"mine"  # init_process_group finds the job's own store
+
+
+class SmallPortRange:
+    """``TCPStore`` as the OS and torch's cache of multi-tenant stores give them out, on 3 ports: port 0
+    binds a free one and the cache keeps the first store of each port (a dead one included) until a
+    lookup of that port by its number drops it, as init_process_group's does."""
+
+    def __init__(self):
+        self.bound, self.cache = set(), {}
+
+    def __call__(self, address, port, *, is_master, multi_tenant=False, wait_for_workers=True):
+        # A lookup by number: the port's live store, else its dead one dropped
+        if port and multi_tenant and (cached := self.cache.pop(port, lambda: None)()) is not None:
+            self.cache[port] = weakref.ref(cached)
+            return cached
+        if port in self.bound or (port == 0 and len(self.bound) == 3):
+            raise torch.distributed.DistNetworkError(f"EADDRINUSE: port {port or 'of those free'}")
+        store = self.Store(port or min({50000, 50001, 50002} - self.bound), self.bound)
+        if multi_tenant:
+            self.cache.setdefault(store.port, weakref.ref(store))
+        return store
+
+    class Store:
+        def __init__(self, port, bound):
+            self.port, self.bound = port, bound
+            bound.add(port)
+
+        def __del__(self):
+            self.bound.discard(self.port)
+
+
+def test_a_sweep_reuses_the_ports_of_ended_jobs(monkeypatch):
+    """The OS has some 28,000 ports to offer; a sweep that took each port once only failed every job after
+    that many. A port an earlier job had is reused, and init_process_group finds the job's store on it."""
+    tcp_stores = SmallPortRange()
+    monkeypatch.setattr(hydra_fsdp.torch.distributed, "TCPStore", tcp_stores)
+    sweep = hydra_fsdp._Sweep()
+    for job in range(10):
+        try:
+            store = sweep.new_store("127.0.0.1")
+        except torch.distributed.DistNetworkError as error:
+            pytest.fail(f"job {job} of a sweep on 3 ports found none: {error}")
+        lookup = tcp_stores("127.0.0.1", store.port, is_master=True, multi_tenant=True)
+        assert lookup is store, "init_process_group would start a second server on the job's port"
+        del store, lookup  # the job ended
 
 
 # --------------------------------------------------------------------------- torchrun / SLURM
