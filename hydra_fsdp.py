@@ -726,37 +726,39 @@ def _claim_in_turn(folder: Path, kind: str, inventory: list, count: int) -> _Cla
     job waits for, and wait in the kernel, not by polling: a thread blocked on each busy device's lock.
     One that gets its lock after the claim is complete (or interrupted) lets go of it at once."""
     paths = [folder / f"{kind}{name}.lock" for name in inventory]
-    files = [os.open(path, os.O_RDWR | os.O_CREAT, 0o600) for path in paths]
-    free = [index for index, fd in enumerate(files) if _locked_now(fd)]
-    busy = [index for index in range(len(files)) if index not in free]
-    changed, done = threading.Condition(), []
-    if len(free) < count:
-        holders = sorted({paths[index].read_text().strip() for index in busy} - {""})
-        log.warning(
-            f"hydra_fsdp: this job waits for {count} free {kind}s of {', '.join(inventory)}:"
-            f" {', '.join(inventory[index] for index in busy)} are held by other running jobs (rank 0 pid"
-            f" {', '.join(holders)}). It starts as soon as enough are free."
-        )
-        for index in busy:
-            args = (files[index], index, free, changed, done)
-            threading.Thread(target=_take_when_free, args=args, name="hydra-fsdp-claim", daemon=True).start()
-    else:
-        for index in busy:
-            os.close(files[index])
-    kept: list = []
+    # Whatever raises, every file opened here is closed at the end (its lock with it) but the claim's
+    # (kept), and those a thread still waits for (waiting, not free): it closes its own (done).
+    files, free, waiting, kept, done, changed = [], [], [], [], [], threading.Condition()
     try:
-        with changed:
+        files.extend(os.open(path, os.O_RDWR | os.O_CREAT, 0o600) for path in paths)  # one by one
+        free.extend(index for index, fd in enumerate(files) if _locked_now(fd))
+        busy = [index for index in range(len(files)) if index not in free]
+        if len(free) < count:
+            holders = sorted({paths[index].read_text().strip() for index in busy} - {""})
+            log.warning(
+                f"hydra_fsdp: this job waits for {count} free {kind}s of {', '.join(inventory)}:"
+                f" {', '.join(inventory[index] for index in busy)} are held by other running jobs (rank 0 pid"
+                f" {', '.join(holders)}). It starts as soon as enough are free."
+            )
+            for index in busy:
+                args = (files[index], index, free, changed, done)
+                threading.Thread(
+                    target=_take_when_free, args=args, name="hydra-fsdp-claim", daemon=True
+                ).start()
+                waiting.append(index)
+        with changed:  # bounded by the holders' lives: the kernel lets go of their locks when they end
             changed.wait_for(lambda: len(free) >= count)
-            kept = sorted(free[:count])
-    finally:  # what the job keeps, or after an interrupt nothing: let go of every other lock taken
+            chosen = sorted(free[:count])
+        for index in chosen:  # for a job that waits to name who holds it
+            os.ftruncate(files[index], 0)
+            os.pwrite(files[index], f"{os.getpid()}\n".encode(), 0)
+        kept = chosen
+        return _Claim(kept, [files[index] for index in kept])
+    finally:
         with changed:
             done.append(True)
-            for index in (index for index in free if index not in kept):
+            for index in set(range(len(files))) - set(kept) - (set(waiting) - set(free)):
                 os.close(files[index])
-    for index in kept:  # for a job that waits to name who holds it
-        os.ftruncate(files[index], 0)
-        os.pwrite(files[index], f"{os.getpid()}\n".encode(), 0)
-    return _Claim(kept, [files[index] for index in kept])
 
 
 def _take_when_free(fd: int, index: int, free: list, changed: threading.Condition, done: list) -> None:

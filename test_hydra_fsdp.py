@@ -3,6 +3,7 @@ rank 0 refuses before starting anything. End-to-end tests with real processes ar
 
 import contextlib
 import dataclasses
+import fcntl
 import functools
 import json
 import os
@@ -1039,6 +1040,26 @@ def test_devices_n_on_cuda_becomes_gpus_no_other_running_job_holds(tmp_path, mon
     assert hydra_fsdp._placement(cuda_spec(0, 1), claims).gpus == [0, 1]
     for claim in claims:
         claim.release()
+
+
+@pytest.mark.parametrize("raises_in", ["taking the locks", "writing the claim"])
+def test_a_claim_that_raises_anywhere_lets_go_of_every_device(tmp_path, monkeypatch, raises_in):
+    """A raise between taking a device's lock and the try that let go of it (while the locks were taken,
+    or while the claim's files were written) kept those locks and their files: a joblib worker then held
+    those devices until it exited."""
+    if raises_in == "taking the locks":  # the third lock: two are taken
+        taken = iter([hydra_fsdp._locked_now] * 2 + [mock.Mock(side_effect=RuntimeError("interrupted"))])
+        monkeypatch.setattr(hydra_fsdp, "_locked_now", lambda fd: next(taken)(fd))
+    else:
+        monkeypatch.setattr(os, "pwrite", mock.Mock(side_effect=OSError(28, "No space left on device")))
+    open_before = set(os.listdir("/proc/self/fd"))
+    with pytest.raises((RuntimeError, OSError)):
+        hydra_fsdp._claim(tmp_path, "gpu", ["0", "1", "2", "3"], 2)
+    still_open = set(os.listdir("/proc/self/fd")) - open_before
+    assert not still_open, f"the claim's files are still open (fds {sorted(still_open)})"
+    for name in "0123":
+        with open(tmp_path / f"gpu{name}.lock", "a") as device:
+            fcntl.flock(device, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: the claim still holds it
 
 
 def test_the_gpus_a_sweep_may_claim_and_their_names_across_processes(tmp_path, monkeypatch):
