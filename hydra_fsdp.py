@@ -1303,11 +1303,17 @@ class _SignalWatch:
     once the main thread is back in the interpreter, which one blocked in a collective never is, but the
     C handler writes the signal to the wakeup fd at once. This thread reads it and ends the children."""
 
+    watching: "_SignalWatch | None" = None  # the one running, which a fork of rank 0 drops (in_a_fork)
+    forks_drop_it = False  # os.register_at_fork's hook, registered by the first watch: it stays
+
     def __init__(self, on_signal: Callable[[int], None]) -> None:
         self.thread: threading.Thread | None = None
         self.sigterm_was = None
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers and the wakeup fd belong to the main thread
+        if not _SignalWatch.forks_drop_it:
+            os.register_at_fork(after_in_child=_SignalWatch.in_a_fork)
+            _SignalWatch.forks_drop_it = True
         read_fd, self.write_fd = os.pipe()
         os.set_blocking(self.write_fd, False)
         previous_fd = signal.set_wakeup_fd(self.write_fd, warn_on_full_buffer=False)
@@ -1316,6 +1322,7 @@ class _SignalWatch:
             os.close(read_fd)
             os.close(self.write_fd)
             return
+        _SignalWatch.watching = self
         if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # no Python handler: no wakeup byte
             self.sigterm_was = signal.signal(signal.SIGTERM, self.raise_system_exit)
         self.thread = threading.Thread(
@@ -1330,19 +1337,31 @@ class _SignalWatch:
     @staticmethod
     def _watch(read_fd: int, on_signal: Callable[[int], None]) -> None:
         with open(read_fd, "rb", buffering=0) as wakeups:
-            while received := wakeups.read(64):  # b"" once close() closed the other end
+            while received := wakeups.read(64):  # b"" once every write end is closed
                 for signum in received:
                     if signum in (signal.SIGTERM, signal.SIGINT):
                         on_signal(signum)
 
+    @staticmethod
+    def in_a_fork() -> None:
+        """A fork of rank 0 (a DataLoader worker, a Pool's) is not rank 0: a signal to it (torch's SIGTERM
+        to a worker that does not join) would reach the watcher through the wakeup fd and end the job's
+        ranks, and its copy of the pipe would keep close() waiting until it exits. It closes the watch
+        (whose thread threading's own fork hook, which runs first, marked as ended)."""
+        if _SignalWatch.watching is not None:
+            _SignalWatch.watching.close()
+
     def close(self) -> None:
         if self.thread is None:
             return
+        _SignalWatch.watching = None
         signal.set_wakeup_fd(-1)
         if self.sigterm_was is not None and signal.getsignal(signal.SIGTERM) is self.raise_system_exit:
             signal.signal(signal.SIGTERM, self.sigterm_was)
         os.close(self.write_fd)
-        self.thread.join()
+        # The watcher ends once no write end is open, a fork's included (in_a_fork closes those): bounded
+        # all the same, for a fork made past Python's (a C library's), which keeps its copy.
+        self.thread.join(timeout=1.0)
         self.thread = None
 
 

@@ -730,6 +730,48 @@ def test_a_child_that_outlives_sigkill_is_not_waited_for_forever(tmp_path, monke
         sleeper.wait()
 
 
+def test_a_sigterm_to_a_fork_of_rank_0_is_not_rank_0s():
+    """A fork of rank 0 (a DataLoader worker, a Pool's) kept the watch's wakeup fd and SIGTERM handler:
+    torch's SIGTERM to a worker that does not join in time reached the watcher, which killed the job's
+    ranks; and close() waited, without a bound, for every process holding the wakeup pipe to exit."""
+    on_signal = mock.Mock()
+    watch = hydra_fsdp._SignalWatch(on_signal)
+    assert watch.thread is not None, "no watch here: not the main thread, or another wakeup fd is set"
+    forked, (ready, say_ready) = None, os.pipe()
+    try:
+        forked = os.fork()
+        if forked == 0:
+            try:
+                os.write(say_ready, b"1")  # after the fork's hooks
+                time.sleep(30)
+            finally:
+                os._exit(0)
+        os.read(ready, 1)
+        os.kill(forked, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while not (ended := os.waitpid(forked, os.WNOHANG))[0] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        forked = None if ended[0] else forked
+        time.sleep(0.3)  # time for the watcher to hear of a wakeup byte
+        on_signal.assert_not_called()
+        assert os.waitstatus_to_exitcode(ended[1]) == -signal.SIGTERM  # SIGTERM's default, as forked
+        # A copy of the pipe that a process keeps, as a fork made past Python's (a C library's) would
+        holder = subprocess.Popen(["sleep", "5"], pass_fds=[watch.write_fd])
+        started = time.monotonic()
+        watch.close()
+        took = time.monotonic() - started
+        holder.kill()
+        holder.wait()
+        assert took < 3, f"close() waited {took:.1f} s, until every process holding the wakeup pipe ended"
+    finally:
+        if forked:
+            os.kill(forked, signal.SIGKILL)
+            os.waitpid(forked, 0)
+        watch.close()
+        os.close(ready)
+        os.close(say_ready)
+
+
 class _TellsWhenWaitedOn:
     """A re-entrant lock that tells (``waited_on``) when a thread has to wait for it."""
 
