@@ -457,8 +457,8 @@ class _ForkServer:
     A fork of it is up in milliseconds, not seconds, and still a fresh process (rank 0's script imported
     anew, the job's environment): the server imports nothing more, starts no thread, never touches CUDA.
     Run as ``python /path/to/hydra_fsdp.py``, it reads a child's command a line on stdin, answers its pid
-    and later its exit code (read by a thread, which notifies ``said`` and calls a failed child's
-    ``on_failure``), and ends, ending its children, with rank 0.
+    and later its exit code on a pipe of their own (read by a thread, which notifies ``said`` and calls a
+    failed child's ``on_failure``), and ends, ending its children, with rank 0.
     """
 
     def __init__(self, lightning: str, said: threading.Condition) -> None:
@@ -466,13 +466,22 @@ class _ForkServer:
         env = {key: value for key, value in os.environ.items() if key not in env_set}
         env.update(PYTHONUNBUFFERED="1", PYTORCH_NVML_BASED_CUDA_CHECK="1")
         self.imports = [lightning] + [name for name in ("hydra_zen",) if name in sys.modules]
-        env[_SERVER_ENV] = json.dumps({"sys_path": sys.path, "module": __name__, "imports": self.imports})
+        # Replies on a pipe of their own: the server's stdout, which its imports may print to, is stderr.
+        # Requests to signal a child too: a signal's thread (send_signal) never writes amid a fork request.
+        (replies, write_end), (read_end, signals) = os.pipe(), os.pipe()
+        fds = [write_end, read_end]
+        server = {"sys_path": sys.path, "module": __name__, "imports": self.imports, "fds": fds}
+        env[_SERVER_ENV] = json.dumps(server)
         self.proc = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__)],
             env=env,
             stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
+            stdout=2,
+            pass_fds=fds,
         )
+        for fd in fds:  # the server's ends
+            os.close(fd)
+        self.replies, self.signals = os.fdopen(replies, "rb"), os.fdopen(signals, "wb", buffering=0)
         self.said = said
         self.started: list[int] = []
         self.exit_codes: dict[int, int] = {}
@@ -483,7 +492,7 @@ class _ForkServer:
 
     def _read_replies(self) -> None:
         try:
-            for reply in map(json.loads, self.proc.stdout):
+            for reply in map(json.loads, self.replies):
                 with self.said:
                     if "started" in reply:
                         self.started.append(reply["started"])
@@ -513,8 +522,7 @@ class _ForkServer:
             self.proc.stdin.write(json.dumps(request).encode() + b"\n")
             self.proc.stdin.flush()
         if not _wait_until(self.said, lambda: self.started or self.lost, timeout):
-            self.proc.kill()
-            self.proc.wait()
+            self.end()
             raise ChildRankError(
                 f"hydra_fsdp's fork server (pid {self.proc.pid}), which imports {', '.join(self.imports)}"
                 f" once for the sweep's child ranks, started none within {timeout:g} s and was ended. Raise"
@@ -522,8 +530,8 @@ class _ForkServer:
             )
         if not self.started:
             raise ChildRankError(
-                f"hydra_fsdp's fork server (pid {self.proc.pid}) exited with code {self.proc.wait()} before"
-                " it started a child rank; its error is in rank 0's output above."
+                f"hydra_fsdp's fork server (pid {self.proc.pid}) ended (exit code {self.end()}) before it"
+                " started a child rank; its error is in rank 0's output above."
             )
         with self.said:
             pid = self.started.pop(0)
@@ -545,8 +553,22 @@ class _ForkServer:
                     f"hydra_fsdp: the fork server (pid {self.proc.pid}) did not end {_KILL_WAIT:g} s after"
                     " the sweep's end (a child rank it waits for is stuck in the kernel?): it was killed."
                 )
-                self.proc.kill()
-                self.proc.wait()
+                self.end()
+
+    def send_signal(self, pid: int, signum: int) -> None:
+        """Have the server send ``signum`` to its child ``pid``, from any thread. Only the server, which
+        reaps its children, knows that ``pid`` is still its child's: rank 0 hears of a child's exit only
+        after it was reaped, when its pid may already be another process's."""
+        with contextlib.suppress(OSError):  # a server that died took its children with it
+            self.signals.write(f"{pid} {signum}\n".encode())  # one write of a few bytes: never split
+
+    def end(self) -> int | None:
+        """Kill the server and reap it: its exit code, or None if the kernel still holds it after
+        ``_KILL_WAIT`` s (a child of it stuck there), which no wait of the sweep's may outlast."""
+        self.proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return self.proc.wait(_KILL_WAIT)
+        return None
 
 
 class _ForkedChild:
@@ -565,16 +587,13 @@ class _ForkedChild:
         return self.poll()
 
     def send_signal(self, signum: int) -> None:
-        # By pid, from any thread: the server reaps a child only once it has exited.
-        if self.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signum)
+        self.server.send_signal(self.pid, signum)  # which it sends only to a child it has not reaped
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
 
-def _serve_forks(imports: list) -> None:
+def _serve_forks(imports: list, replies: int, signals: int) -> None:
     """The fork server's loop: fork a child per request, report its exit."""
     gc.disable()  # collecting a growing heap would take a fifth of the imports' time
     for name in imports:  # what every child needs, imported once for all of them
@@ -582,15 +601,19 @@ def _serve_forks(imports: list) -> None:
     # The children's collections skip what the server holds (0.2 s, and a copy of every page).
     gc.freeze()
     gc.enable()
-    replies = os.dup(1)
-    os.dup2(2, 1)  # whatever anything prints goes to rank 0's stderr, never into the replies
     # Ctrl-C reaches rank 0 and the children, which react as a process rank 0 started would.
     sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
     children: set = set()
     unread = b""
     while os.getppid() == parent:
-        if select.select([0], [], [], _POLL_INTERVAL)[0]:
+        ready = select.select([0, signals], [], [], _POLL_INTERVAL)[0]
+        if signals in ready:  # rank 0's "<pid> <signal>": only to a child not reaped, whose pid is its own
+            words = list(map(int, os.read(signals, 1 << 16).split()))
+            for pid, signum in zip(words[::2], words[1::2]):
+                if pid in children:
+                    os.kill(pid, signum)
+        if 0 in ready:
             heard = os.read(0, 1 << 16)
             if not heard:
                 break
@@ -598,7 +621,7 @@ def _serve_forks(imports: list) -> None:
             for request in map(json.loads, lines):
                 pid = os.fork()
                 if pid == 0:
-                    _run_forked(request, imports[0], replies, sigint)
+                    _run_forked(request, imports[0], (replies, signals), sigint)
                 children.add(pid)
                 os.write(replies, json.dumps({"started": pid}).encode() + b"\n")
         for pid in list(children):
@@ -621,10 +644,11 @@ def _set_rank_zero_only(lightning: str, rank: int) -> None:
     rank_zero_only.rank = rank
 
 
-def _run_forked(request: dict, lightning: str, replies: int, sigint: Any) -> None:
+def _run_forked(request: dict, lightning: str, server_fds: tuple, sigint: Any) -> None:
     """In a fresh fork of the server: become the child rank ``request`` starts."""
     try:
-        os.close(replies)
+        for fd in server_fds:
+            os.close(fd)
         signal.signal(signal.SIGINT, sigint)
         for fd, path, flags in (
             (0, os.devnull, os.O_RDONLY),
@@ -706,37 +730,39 @@ def _claim_in_turn(folder: Path, kind: str, inventory: list, count: int) -> _Cla
     job waits for, and wait in the kernel, not by polling: a thread blocked on each busy device's lock.
     One that gets its lock after the claim is complete (or interrupted) lets go of it at once."""
     paths = [folder / f"{kind}{name}.lock" for name in inventory]
-    files = [os.open(path, os.O_RDWR | os.O_CREAT, 0o600) for path in paths]
-    free = [index for index, fd in enumerate(files) if _locked_now(fd)]
-    busy = [index for index in range(len(files)) if index not in free]
-    changed, done = threading.Condition(), []
-    if len(free) < count:
-        holders = sorted({paths[index].read_text().strip() for index in busy} - {""})
-        log.warning(
-            f"hydra_fsdp: this job waits for {count} free {kind}s of {', '.join(inventory)}:"
-            f" {', '.join(inventory[index] for index in busy)} are held by other running jobs (rank 0 pid"
-            f" {', '.join(holders)}). It starts as soon as enough are free."
-        )
-        for index in busy:
-            args = (files[index], index, free, changed, done)
-            threading.Thread(target=_take_when_free, args=args, name="hydra-fsdp-claim", daemon=True).start()
-    else:
-        for index in busy:
-            os.close(files[index])
-    kept: list = []
+    # Whatever raises, every file opened here is closed at the end (its lock with it) but the claim's
+    # (kept), and those a thread still waits for (waiting, not free): it closes its own (done).
+    files, free, waiting, kept, done, changed = [], [], [], [], [], threading.Condition()
     try:
-        with changed:
+        files.extend(os.open(path, os.O_RDWR | os.O_CREAT, 0o600) for path in paths)  # one by one
+        free.extend(index for index, fd in enumerate(files) if _locked_now(fd))
+        busy = [index for index in range(len(files)) if index not in free]
+        if len(free) < count:
+            holders = sorted({paths[index].read_text().strip() for index in busy} - {""})
+            log.warning(
+                f"hydra_fsdp: this job waits for {count} free {kind}s of {', '.join(inventory)}:"
+                f" {', '.join(inventory[index] for index in busy)} are held by other running jobs (rank 0 pid"
+                f" {', '.join(holders)}). It starts as soon as enough are free."
+            )
+            for index in busy:
+                args = (files[index], index, free, changed, done)
+                threading.Thread(
+                    target=_take_when_free, args=args, name="hydra-fsdp-claim", daemon=True
+                ).start()
+                waiting.append(index)
+        with changed:  # bounded by the holders' lives: the kernel lets go of their locks when they end
             changed.wait_for(lambda: len(free) >= count)
-            kept = sorted(free[:count])
-    finally:  # what the job keeps, or after an interrupt nothing: let go of every other lock taken
+            chosen = sorted(free[:count])
+        for index in chosen:  # for a job that waits to name who holds it
+            os.ftruncate(files[index], 0)
+            os.pwrite(files[index], f"{os.getpid()}\n".encode(), 0)
+        kept = chosen
+        return _Claim(kept, [files[index] for index in kept])
+    finally:
         with changed:
             done.append(True)
-            for index in (index for index in free if index not in kept):
+            for index in set(range(len(files))) - set(kept) - (set(waiting) - set(free)):
                 os.close(files[index])
-    for index in kept:  # for a job that waits to name who holds it
-        os.ftruncate(files[index], 0)
-        os.pwrite(files[index], f"{os.getpid()}\n".encode(), 0)
-    return _Claim(kept, [files[index] for index in kept])
 
 
 def _take_when_free(fd: int, index: int, free: list, changed: threading.Condition, done: list) -> None:
@@ -857,7 +883,6 @@ class _Sweep(Callback):
     def __init__(self) -> None:
         self.said = threading.Condition()  # notified whenever the fork server says something
         self.fork_server: _ForkServer | None = None
-        self.store_ports: set = set()  # of every job's store (see new_store)
         self.job: _Job | None = None  # whose child ranks run, from its first stage until Hydra ends it
         self.wrapped: list = []  # the FSDP wrappers the running job built, for its end to free
         self.last_spec: _LaunchSpec | None = None
@@ -900,17 +925,18 @@ class _Sweep(Callback):
         return self.fork_server
 
     def new_store(self, address: str) -> torch.distributed.TCPStore:
-        """A job's store, which init_process_group reuses, on a port no earlier job had: torch's cache
-        of stores by port would hide it behind an earlier job's dead one (EADDRINUSE)."""
-        refused = []  # held until a new port is found, so that the OS offers another
+        """A job's store, which init_process_group finds by its port in torch's cache of stores. That cache
+        keeps the first store of each port, a dead one too (an earlier job's, whose port the OS offers
+        again), until a lookup of that port by its number drops it: the store is opened by its number,
+        where init_process_group would otherwise start a second server (EADDRINUSE)."""
         while True:
-            store = torch.distributed.TCPStore(
-                address, 0, is_master=True, multi_tenant=True, wait_for_workers=False
-            )
-            if store.port not in self.store_ports:
-                self.store_ports.add(store.port)
-                return store
-            refused.append(store)
+            free = torch.distributed.TCPStore(address, 0, is_master=True, wait_for_workers=False)
+            port = free.port
+            del free  # the port is free again, unless another process takes it: then another one
+            with contextlib.suppress(torch.distributed.DistNetworkError):
+                return torch.distributed.TCPStore(
+                    address, port, is_master=True, multi_tenant=True, wait_for_workers=False
+                )
 
     def follow(self, hydra_context: Any) -> "_Sweep":
         # Hydra's Callbacks (private): the only way to its job ends without the user's config.
@@ -1292,11 +1318,17 @@ class _SignalWatch:
     once the main thread is back in the interpreter, which one blocked in a collective never is, but the
     C handler writes the signal to the wakeup fd at once. This thread reads it and ends the children."""
 
+    watching: "_SignalWatch | None" = None  # the one running, which a fork of rank 0 drops (in_a_fork)
+    forks_drop_it = False  # os.register_at_fork's hook, registered by the first watch: it stays
+
     def __init__(self, on_signal: Callable[[int], None]) -> None:
         self.thread: threading.Thread | None = None
         self.sigterm_was = None
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers and the wakeup fd belong to the main thread
+        if not _SignalWatch.forks_drop_it:
+            os.register_at_fork(after_in_child=_SignalWatch.in_a_fork)
+            _SignalWatch.forks_drop_it = True
         read_fd, self.write_fd = os.pipe()
         os.set_blocking(self.write_fd, False)
         previous_fd = signal.set_wakeup_fd(self.write_fd, warn_on_full_buffer=False)
@@ -1305,6 +1337,7 @@ class _SignalWatch:
             os.close(read_fd)
             os.close(self.write_fd)
             return
+        _SignalWatch.watching = self
         if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # no Python handler: no wakeup byte
             self.sigterm_was = signal.signal(signal.SIGTERM, self.raise_system_exit)
         self.thread = threading.Thread(
@@ -1319,19 +1352,31 @@ class _SignalWatch:
     @staticmethod
     def _watch(read_fd: int, on_signal: Callable[[int], None]) -> None:
         with open(read_fd, "rb", buffering=0) as wakeups:
-            while received := wakeups.read(64):  # b"" once close() closed the other end
+            while received := wakeups.read(64):  # b"" once every write end is closed
                 for signum in received:
                     if signum in (signal.SIGTERM, signal.SIGINT):
                         on_signal(signum)
 
+    @staticmethod
+    def in_a_fork() -> None:
+        """A fork of rank 0 (a DataLoader worker, a Pool's) is not rank 0: a signal to it (torch's SIGTERM
+        to a worker that does not join) would reach the watcher through the wakeup fd and end the job's
+        ranks, and its copy of the pipe would keep close() waiting until it exits. It closes the watch
+        (whose thread threading's own fork hook, which runs first, marked as ended)."""
+        if _SignalWatch.watching is not None:
+            _SignalWatch.watching.close()
+
     def close(self) -> None:
         if self.thread is None:
             return
+        _SignalWatch.watching = None
         signal.set_wakeup_fd(-1)
         if self.sigterm_was is not None and signal.getsignal(signal.SIGTERM) is self.raise_system_exit:
             signal.signal(signal.SIGTERM, self.sigterm_was)
         os.close(self.write_fd)
-        self.thread.join()
+        # The watcher ends once no write end is open, a fork's included (in_a_fork closes those): bounded
+        # all the same, for a fork made past Python's (a C library's), which keeps its copy.
+        self.thread.join(timeout=1.0)
         self.thread = None
 
 
@@ -2336,4 +2381,4 @@ if __name__ == "__main__":
         sys.exit(f"usage: python {__file__} <job dir>/{_LAUNCH_FILE}, in the environment _rank_launch shows")
     _server = json.loads(os.environ.pop(_SERVER_ENV))
     sys.path[:] = _server["sys_path"]
-    importlib.import_module(_server["module"])._serve_forks(_server["imports"])
+    importlib.import_module(_server["module"])._serve_forks(_server["imports"], *_server["fds"])

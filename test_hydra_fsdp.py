@@ -3,6 +3,7 @@ rank 0 refuses before starting anything. End-to-end tests with real processes ar
 
 import contextlib
 import dataclasses
+import fcntl
 import functools
 import json
 import os
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 from typing import NamedTuple
@@ -149,15 +151,19 @@ def test_the_fork_server_is_started_once_clean_of_the_job(tmp_path):
     (call,) = run.popen.call_args_list  # one server, however many children
     assert call.args[0] == [sys.executable, os.path.abspath(hydra_fsdp.__file__)]
     env = call.kwargs["env"]
-    assert json.loads(env["HYDRA_FSDP_FORK_SERVER"]) == {
+    server = json.loads(env["HYDRA_FSDP_FORK_SERVER"])
+    assert server == {
         "sys_path": sys.path,
         "module": "hydra_fsdp",
         "imports": ["pytorch_lightning", "hydra_zen"],
+        "fds": server["fds"],  # the replies' pipe, and that of requests to signal a child
     }
     assert env["PYTORCH_NVML_BASED_CUDA_CHECK"] == "1"  # a CUDA query never initialises CUDA there
     assert "JOB_ONLY" not in env and env["PATH"] == os.environ["PATH"]  # env_set is the children's own
     assert all(c.args[1]["JOB_ONLY"] == "1" for c in run.start.call_args_list)
-    assert (call.kwargs["stdin"], call.kwargs["stdout"]) == (subprocess.PIPE, subprocess.PIPE)
+    # What it prints goes to rank 0's stderr; its replies, on a pipe of their own, are never mixed in.
+    assert (call.kwargs["stdin"], call.kwargs["stdout"]) == (subprocess.PIPE, 2)
+    assert call.kwargs["pass_fds"] == server["fds"]
 
 
 def test_the_child_gets_the_task_function_and_where_rank0_stands(tmp_path):
@@ -310,34 +316,75 @@ def test_fallback_without_the_module_in_the_config_fails_naming_file_and_key(tmp
     run.start.assert_not_called()
 
 
-def test_a_job_store_is_never_on_a_port_an_earlier_job_had():
-    # The OS offers a port again after tens of jobs (6 to 160 seen here). torch's cache of
-    # multi-tenant stores then still holds the earlier job's dead one for that port, hides the new
-    # one, and the lookup init_process_group makes starts a second server there: EADDRINUSE.
+def test_a_job_store_on_a_port_an_earlier_job_had_is_the_one_init_process_group_finds():
+    # The OS offers a port again after tens of jobs (6 to 160 seen here). torch's cache of multi-tenant
+    # stores still holds the earlier job's dead store for that port, and keeps it over a server opened
+    # the port-0 way: init_process_group's lookup by the port's number then misses the job's store and
+    # starts a second server there (EADDRINUSE). A job's store is opened by its port's number.
     real_store = torch.distributed.TCPStore
-    earlier = hydra_fsdp._sweep.new_store("127.0.0.1")
-    port = earlier.port
-    del earlier
-
-    def on_that_port_again(address, _port, **kwargs):  # what port 0 then gives: a server the cache misses
-        return real_store(address, port, **dict(kwargs, multi_tenant=False))
-
-    again = on_that_port_again("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port = hydra_fsdp._sweep.new_store("127.0.0.1").port  # the job ended: its store is dead, and cached
+    missed = real_store("127.0.0.1", port, is_master=True, wait_for_workers=False)  # one the cache misses
     with pytest.raises(torch.distributed.DistNetworkError, match="EADDRINUSE|Address already in use"):
         real_store("127.0.0.1", port, is_master=True, multi_tenant=True)  # as init_process_group looks
-    del again
+    del missed
+    real_store("127.0.0.1", port, is_master=True, multi_tenant=True)  # dead, and cached again
 
-    offers = iter([on_that_port_again])
+    offers = iter([lambda address, _port, **kwargs: real_store(address, port, **kwargs)])  # that port again
     with mock.patch.object(
         hydra_fsdp.torch.distributed,
         "TCPStore",
         side_effect=lambda *a, **k: next(offers, real_store)(*a, **k),
     ) as made:
         store = hydra_fsdp._sweep.new_store("127.0.0.1")
-    assert made.call_count == 2 and store.port != port
+    assert made.call_count == 2 and store.port == port
     lookup = real_store("127.0.0.1", store.port, is_master=True, multi_tenant=True, wait_for_workers=False)
     lookup.set("job", "mine")
     assert store.get("job") == b"mine"  # init_process_group finds the job's own store
+
+
+class SmallPortRange:
+    """``TCPStore`` as the OS and torch's cache of multi-tenant stores give them out, on 3 ports: port 0
+    binds a free one and the cache keeps the first store of each port (a dead one included) until a
+    lookup of that port by its number drops it, as init_process_group's does."""
+
+    def __init__(self):
+        self.bound, self.cache = set(), {}
+
+    def __call__(self, address, port, *, is_master, multi_tenant=False, wait_for_workers=True):
+        # A lookup by number: the port's live store, else its dead one dropped
+        if port and multi_tenant and (cached := self.cache.pop(port, lambda: None)()) is not None:
+            self.cache[port] = weakref.ref(cached)
+            return cached
+        if port in self.bound or (port == 0 and len(self.bound) == 3):
+            raise torch.distributed.DistNetworkError(f"EADDRINUSE: port {port or 'of those free'}")
+        store = self.Store(port or min({50000, 50001, 50002} - self.bound), self.bound)
+        if multi_tenant:
+            self.cache.setdefault(store.port, weakref.ref(store))
+        return store
+
+    class Store:
+        def __init__(self, port, bound):
+            self.port, self.bound = port, bound
+            bound.add(port)
+
+        def __del__(self):
+            self.bound.discard(self.port)
+
+
+def test_a_sweep_reuses_the_ports_of_ended_jobs(monkeypatch):
+    """The OS has some 28,000 ports to offer; a sweep that took each port once only failed every job after
+    that many. A port an earlier job had is reused, and init_process_group finds the job's store on it."""
+    tcp_stores = SmallPortRange()
+    monkeypatch.setattr(hydra_fsdp.torch.distributed, "TCPStore", tcp_stores)
+    sweep = hydra_fsdp._Sweep()
+    for job in range(10):
+        try:
+            store = sweep.new_store("127.0.0.1")
+        except torch.distributed.DistNetworkError as error:
+            pytest.fail(f"job {job} of a sweep on 3 ports found none: {error}")
+        lookup = tcp_stores("127.0.0.1", store.port, is_master=True, multi_tenant=True)
+        assert lookup is store, "init_process_group would start a second server on the job's port"
+        del store, lookup  # the job ended
 
 
 # --------------------------------------------------------------------------- torchrun / SLURM
@@ -665,6 +712,7 @@ def test_a_child_that_outlives_sigkill_is_not_waited_for_forever(tmp_path, monke
     monkeypatch.setattr(hydra_fsdp, "_KILL_WAIT", 0.2)
     sleeper = subprocess.Popen(["sleep", "60"])
     server = SimpleNamespace(exit_codes={}, lost=False, said=threading.Condition())  # it never says
+    server.send_signal = lambda pid, signum: sleeper.poll() is None and os.kill(pid, signum)
     children = hydra_fsdp._ChildRanks(tmp_path, server.said)
     children.add(1, hydra_fsdp._ForkedChild(server, sleeper.pid))
     try:
@@ -680,6 +728,48 @@ def test_a_child_that_outlives_sigkill_is_not_waited_for_forever(tmp_path, monke
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_a_sigterm_to_a_fork_of_rank_0_is_not_rank_0s():
+    """A fork of rank 0 (a DataLoader worker, a Pool's) kept the watch's wakeup fd and SIGTERM handler:
+    torch's SIGTERM to a worker that does not join in time reached the watcher, which killed the job's
+    ranks; and close() waited, without a bound, for every process holding the wakeup pipe to exit."""
+    on_signal = mock.Mock()
+    watch = hydra_fsdp._SignalWatch(on_signal)
+    assert watch.thread is not None, "no watch here: not the main thread, or another wakeup fd is set"
+    forked, (ready, say_ready) = None, os.pipe()
+    try:
+        forked = os.fork()
+        if forked == 0:
+            try:
+                os.write(say_ready, b"1")  # after the fork's hooks
+                time.sleep(30)
+            finally:
+                os._exit(0)
+        os.read(ready, 1)
+        os.kill(forked, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while not (ended := os.waitpid(forked, os.WNOHANG))[0] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        forked = None if ended[0] else forked
+        time.sleep(0.3)  # time for the watcher to hear of a wakeup byte
+        on_signal.assert_not_called()
+        assert os.waitstatus_to_exitcode(ended[1]) == -signal.SIGTERM  # SIGTERM's default, as forked
+        # A copy of the pipe that a process keeps, as a fork made past Python's (a C library's) would
+        holder = subprocess.Popen(["sleep", "5"], pass_fds=[watch.write_fd])
+        started = time.monotonic()
+        watch.close()
+        took = time.monotonic() - started
+        holder.kill()
+        holder.wait()
+        assert took < 3, f"close() waited {took:.1f} s, until every process holding the wakeup pipe ended"
+    finally:
+        if forked:
+            os.kill(forked, signal.SIGKILL)
+            os.waitpid(forked, 0)
+        watch.close()
+        os.close(ready)
+        os.close(say_ready)
 
 
 class _TellsWhenWaitedOn:
@@ -1185,6 +1275,26 @@ def test_devices_n_on_cuda_becomes_gpus_no_other_running_job_holds(tmp_path, mon
         claim.release()
 
 
+@pytest.mark.parametrize("raises_in", ["taking the locks", "writing the claim"])
+def test_a_claim_that_raises_anywhere_lets_go_of_every_device(tmp_path, monkeypatch, raises_in):
+    """A raise between taking a device's lock and the try that let go of it (while the locks were taken,
+    or while the claim's files were written) kept those locks and their files: a joblib worker then held
+    those devices until it exited."""
+    if raises_in == "taking the locks":  # the third lock: two are taken
+        taken = iter([hydra_fsdp._locked_now] * 2 + [mock.Mock(side_effect=RuntimeError("interrupted"))])
+        monkeypatch.setattr(hydra_fsdp, "_locked_now", lambda fd: next(taken)(fd))
+    else:
+        monkeypatch.setattr(os, "pwrite", mock.Mock(side_effect=OSError(28, "No space left on device")))
+    open_before = set(os.listdir("/proc/self/fd"))
+    with pytest.raises((RuntimeError, OSError)):
+        hydra_fsdp._claim(tmp_path, "gpu", ["0", "1", "2", "3"], 2)
+    still_open = set(os.listdir("/proc/self/fd")) - open_before
+    assert not still_open, f"the claim's files are still open (fds {sorted(still_open)})"
+    for name in "0123":
+        with open(tmp_path / f"gpu{name}.lock", "a") as device:
+            fcntl.flock(device, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: the claim still holds it
+
+
 def test_the_gpus_a_sweep_may_claim_and_their_names_across_processes(tmp_path, monkeypatch):
     monkeypatch.setenv("HYDRA_FSDP_CLAIMS", str(tmp_path))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
@@ -1248,7 +1358,8 @@ def test_a_failed_childs_callback_that_raises_leaves_the_reader_reading(caplog):
     """Its end would mark the live server lost: its running children read as killed, and the next job's
     start would wait, unbounded, on the live server."""
     read_end, write_end = os.pipe()
-    server = stand_in_server(SimpleNamespace(stdout=os.fdopen(read_end, "rb")))
+    server = stand_in_server(None)
+    server.replies = os.fdopen(read_end, "rb")
     later = mock.Mock()
     server.on_failure = {11: mock.Mock(side_effect=RuntimeError("the abort failed")), 12: later}
     reader = threading.Thread(target=server._read_replies, daemon=True)
@@ -1279,6 +1390,66 @@ def test_closing_a_server_stuck_on_a_child_is_bounded(monkeypatch):
     finally:
         server.proc.kill()
         server.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def chatty_fork_server(tmp_path_factory):
+    """A real fork server whose "Lightning" prints at import, as a banner or a notice on stdout would; a
+    child it forks sleeps (in its import of ``<lightning>.utilities.rank_zero``) until it is killed."""
+    lightning = tmp_path_factory.mktemp("stand_in") / "chatty_lightning"
+    (lightning / "utilities").mkdir(parents=True)
+    (lightning / "__init__.py").write_text("print('a banner, printed at import')\n")
+    (lightning / "utilities" / "__init__.py").write_text("")
+    (lightning / "utilities" / "rank_zero.py").write_text("import time\ntime.sleep(60)\n")
+    hydra_config = SimpleNamespace(get=lambda: SimpleNamespace(job=SimpleNamespace(env_set={})))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(lightning.parent))
+        patch.setattr(hydra_fsdp, "HydraConfig", hydra_config)
+        server = hydra_fsdp._ForkServer("chatty_lightning", threading.Condition())
+    yield server
+    server.close()
+
+
+def start_a_sleeping_child(server, log, timeout=60):
+    """``server.start``, run on a thread: None where it did not return within ``timeout`` + 30 s."""
+    env = dict(os.environ, LOCAL_RANK="1")
+    started = []
+    starting = threading.Thread(
+        target=lambda: started.append(server.start(["sleep"], env, log, timeout, lambda: None)), daemon=True
+    )
+    starting.start()
+    starting.join(timeout + 30)
+    return started[0] if started else None
+
+
+def test_a_fork_server_whose_imports_print_still_starts_children(chatty_fork_server, tmp_path):
+    """The server's replies were its stdout, which it redirected only after its imports: a line an import
+    printed killed the reader (a JSON decode error), and start() then waited, without a bound, for the
+    live server to exit."""
+    child = start_a_sleeping_child(chatty_fork_server, tmp_path / "rank_1.log", timeout=30)
+    assert child is not None, "start() is still waiting, on a server that runs, for a reply it lost"
+    assert not chatty_fork_server.lost and child.poll() is None
+    child.kill()
+    assert child.wait(timeout=10) == -signal.SIGKILL
+
+
+def test_a_pid_the_server_reaped_is_never_signalled(chatty_fork_server, tmp_path):
+    """The server reaps a child before rank 0 hears that it exited: in that window rank 0 still sees it
+    running, and its pid may already be another process's. Only the server, which reaps, may signal."""
+    child = start_a_sleeping_child(chatty_fork_server, tmp_path / "rank_1.log")
+    recycled = subprocess.Popen(["sleep", "60"])  # a process that got the pid of a child reaped since
+    try:
+        hydra_fsdp._ForkedChild(chatty_fork_server, recycled.pid).kill()  # rank 0 has not heard it exited
+        child.kill()  # after the other, in order: once this one is reaped, the other request was read
+        assert child.wait(timeout=10) == -signal.SIGKILL
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            recycled.wait(timeout=1)
+        assert recycled.poll() is None, (
+            f"rank 0 sent SIGKILL to pid {recycled.pid}, not a child of the server"
+        )
+    finally:
+        recycled.kill()
+        recycled.wait()
 
 
 @pytest.mark.parametrize("wrapped_by_the_user", [False, True])
