@@ -173,15 +173,15 @@ def _hydra_job() -> dict | None:
         return _child_job
     from hydra.core import utils
 
-    body = getattr(utils, "_run_job", utils.run_job)
+    body = "_run_job" if hasattr(utils, "_run_job") else "run_job"
     frame = inspect.currentframe()
-    while frame is not None and frame.f_code is not body.__code__:
+    while frame is not None and frame.f_code is not getattr(utils, body).__code__:
         frame = frame.f_back
     if frame is None:
         return None
     needed = {"task_function", "task_cfg", "config", "hydra_context", "ret"}
     if not needed <= set(frame.f_locals):  # Python 3.13: a proxy, whose keys() is a list
-        locals_of = f"the local variables of hydra.core.utils.{body.__name__} {sorted(needed)}"
+        locals_of = f"the local variables of hydra.core.utils.{body} {sorted(needed)}"
         raise _upstream_changed(locals_of, "find the running job")
     return frame.f_locals
 
@@ -1493,9 +1493,13 @@ def _let_go_of_the_job(job_return: Any, wrapped: list) -> None:
     error = getattr(job_return, "_return_value", None) if job_return.status is JobStatus.FAILED else None
     # The frames go, their text stays (clearing the frames is not enough: a cleared frame holds its
     # function): under each error of the chain as a note, which Hydra prints with the error at the sweep's
-    # end. Python 3.10 has no notes: there the whole chain is printed now, once, with its frames.
-    if isinstance(error, BaseException) and not hasattr(error, "add_note"):
-        traceback.print_exception(type(error), error, error.__traceback__)
+    # end. Python 3.10 has no notes: there the whole chain is printed now, once, with its frames. hydra-core
+    # 1.4 keeps the text itself (the job's _remote_traceback: files, functions, lines), and prints it with
+    # the error where its traceback is gone: notes would show each frame twice. (Were that name gone in a
+    # later Hydra, the notes would come back: twice, never lost.)
+    text = error if getattr(job_return, "_remote_traceback", None) is None else None
+    if isinstance(text, BaseException) and not hasattr(text, "add_note"):
+        traceback.print_exception(type(text), text, text.__traceback__)
     # The error and every error it links to: a child's failure, never raised, has no traceback of its own,
     # and its cause (rank 0's broken collective) does; an error raised `from` another while handling a
     # third links to both (its __cause__ and __context__), and each one's frames hold the job's objects.
@@ -1505,7 +1509,7 @@ def _let_go_of_the_job(job_return: Any, wrapped: list) -> None:
         if not isinstance(error, BaseException) or any(error is seen for seen in chain):
             continue
         chain.append(error)
-        if hasattr(error, "add_note") and error.__traceback__ is not None:
+        if text is not None and hasattr(error, "add_note") and error.__traceback__ is not None:
             error.add_note(
                 "Traceback (most recent call last):\n" + "".join(traceback.format_tb(error.__traceback__))
             )

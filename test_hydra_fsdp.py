@@ -468,12 +468,13 @@ UPSTREAM_CHANGED = r"private to its package.*Known to work: torch"
 
 
 def test_guard_run_job_locals(monkeypatch):
-    def run_job(task, config):  # a Hydra whose run_job names its locals otherwise
+    def run_job(task, config):  # a Hydra whose run_job (1.4: _run_job) names its locals otherwise
         return hydra_fsdp._hydra_job()
 
-    monkeypatch.setattr(hydra.core.utils, "run_job", run_job)
+    body = "_run_job" if hasattr(hydra.core.utils, "_run_job") else "run_job"
+    monkeypatch.setattr(hydra.core.utils, body, run_job)
     with pytest.raises(
-        RankLaunchError, match="local variables of hydra.core.utils.run_job.*" + UPSTREAM_CHANGED
+        RankLaunchError, match=f"local variables of hydra.core.utils.{body}.*" + UPSTREAM_CHANGED
     ):
         run_job(fit_task, None)
 
@@ -1076,6 +1077,39 @@ def test_a_failed_jobs_frames_are_shown_once_with_their_errors_when_they_are_let
     together = at_the_jobs_end if sys.version_info < (3, 11) else at_the_sweeps_end
     for text in (raising[0], "ValueError: inner", "direct cause", raising[1], "RuntimeError: outer"):
         assert text in together, f"{text!r} is not shown with the rest of the error:\n{shown}"
+
+
+def test_a_failed_jobs_frames_are_shown_once_by_the_hydra_installed():
+    """As the previous test, through Hydra's own JobReturn as run_job fills it: hydra-core 1.4 keeps each
+    failed job's traceback as text and prints it with the error raised at the sweep's end; hydra_fsdp's
+    notes would show each frame twice there."""
+    import traceback
+
+    from hydra.core import utils
+
+    def inner():
+        raise ValueError("inner")
+
+    def outer():
+        try:
+            inner()
+        except ValueError as error:
+            raise RuntimeError("outer") from error
+
+    job_return = utils.JobReturn(status=utils.JobStatus.FAILED, overrides=[])
+    try:
+        outer()
+    except RuntimeError as error:
+        job_return.return_value = error
+        if hasattr(utils, "_serialize_exception_chain"):  # hydra-core 1.4, as its _run_job does
+            job_return._remote_traceback = utils._serialize_traceback(error.__traceback__)
+            job_return._remote_exception_chain = utils._serialize_exception_chain(error)
+    hydra_fsdp._let_go_of_the_job(job_return, [])
+    with pytest.raises(RuntimeError, match="outer") as raised:
+        job_return.return_value  # noqa: B018 - what Hydra's sweeper reads at the sweep's end
+    shown = "".join(traceback.format_exception(raised.value))
+    raising = ['raise ValueError("inner")', 'raise RuntimeError("outer") from error']
+    assert [shown.count(line) for line in raising] == [1, 1], shown
 
 
 def test_a_failed_jobs_errors_all_let_go_of_their_frames_cause_and_context_alike():

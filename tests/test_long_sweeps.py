@@ -172,7 +172,12 @@ def test_a_failed_job_keeps_its_error_and_a_returned_module_its_weights(tmp_path
     failed, returned = memapp.KEPT
     error = failed._return_value
     assert error is raised.value and failed.status.name == "FAILED"
-    assert "Child rank 1 failed" in str(error) and isinstance(error.__cause__, RuntimeError)
+    # its cause, rank 0's broken collective: hydra-core 1.4 raises a failed job's error whose traceback is
+    # gone (hydra_fsdp let go of its frames) with its chain made again from text, of classes of those names
+    cause = error.__cause__
+    assert "Child rank 1 failed" in str(error) and "RuntimeError" in {
+        kind.__name__ for kind in type(cause).__mro__
+    }
     assert error.__context__ is error.__cause__
     # the traceback of the job let go of, its text kept (printed at once on Python 3.10): the
     # sweeper's raise gave the error a traceback of its own, which holds no frame of the job
