@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -74,7 +75,9 @@ def sweep(tmp_path_factory):
             overrides = ["hydra.sweep.dir=sweep", "test=false", *ray_overrides(temp_dir), *cases]
             run = Run([*command, *overrides], project, env)
             wait_all([run])
-            left = ray_processes(temp_dir)
+            deadline = time.monotonic() + 10  # as the leak check: a process may take a moment to end
+            while (left := ray_processes(temp_dir)) and time.monotonic() < deadline:
+                time.sleep(0.2)
         yield project / "sweep", run, left
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)
