@@ -835,15 +835,31 @@ def _gpu_inventory() -> dict:
 
 def _cores_per_job(cores: int) -> int:
     """How many of ``cores`` a job on the CPU claims: ``cpus_per_task`` where submitit's launcher states it,
-    else its share by the number of jobs the joblib launcher runs at once (``n_jobs``; negative as joblib
-    reads it), else all of them: such a launcher (Hydra's basic one) runs one job at a time."""
+    the CPUs Ray reserves for the job's task under hydra-ray-launcher (``ray.remote.num_cpus``, else Ray's
+    default of 1; at most ``cores``), else its share by the number of jobs the joblib launcher runs at once
+    (``n_jobs``; negative as joblib reads it), else all of them: such a launcher (Hydra's basic one) runs
+    one job at a time."""
     launcher = HydraConfig.get().get("launcher") or {}
+    if "ray" in launcher:  # Ray runs as many jobs at once as their num_cpus fit in its CPUs, and pins none
+        return min(cores, max(1, int((launcher["ray"].get("remote") or {}).get("num_cpus") or 1)))
     if launcher.get("cpus_per_task"):
         return int(launcher["cpus_per_task"])
     n_jobs = launcher.get("n_jobs")
     if isinstance(n_jobs, int) and n_jobs != 0:
         return max(1, cores // (n_jobs if n_jobs > 0 else max(1, (os.cpu_count() or 1) + 1 + n_jobs)))
     return cores
+
+
+def _users_threads() -> bool:
+    """Whether ``OMP_NUM_THREADS`` is set, and by the user (it stands), not by Ray."""
+    # Ray sets it in a worker's os.environ as each task starts, to the task's num_cpus, only where the
+    # worker's environment lacks it, and pops it as the task ends (ray 2.60: python/ray/_raylet.pyx's
+    # execute_task, through ray._private.utils.set_omp_num_threads_if_unset). A user's is in the environment
+    # the worker process started with (the driver's, which a local Ray's workers inherit, `ray start`'s, or
+    # runtime_env's env_vars: measured), which /proc/self/environ keeps as it was: Ray's is never there.
+    if "OMP_NUM_THREADS" not in os.environ or "ray" not in (HydraConfig.get().get("launcher") or {}):
+        return "OMP_NUM_THREADS" in os.environ
+    return b"\0OMP_NUM_THREADS=" in b"\0" + Path("/proc/self/environ").read_bytes()
 
 
 def _pin(cores: Any) -> None:
@@ -1195,7 +1211,7 @@ class _Job:
         self.placement = _placement(self.spec, claims)
         if self.placement.cores[0] is not None:
             _pin(self.placement.cores[0])
-        if "OMP_NUM_THREADS" not in os.environ:  # a user's value stands
+        if not _users_threads():  # a user's value stands
             torch.set_num_threads(self.placement.threads)
             os.environ["OMP_NUM_THREADS"] = str(self.placement.threads)
         self.sweep.follow(hydra_job["hydra_context"]).last_spec = self.spec

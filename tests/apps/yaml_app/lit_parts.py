@@ -18,9 +18,10 @@ log = logging.getLogger(__name__)
 
 
 class TinyModel(L.LightningModule):
-    def __init__(self, lr: float = 0.1):
+    def __init__(self, lr: float = 0.1, fail_rank: int = -1):
         super().__init__()
         self.lr = lr
+        self.fail_rank = fail_rank  # a rank that raises once it recorded its fit (a job that fails late)
         self.net = torch.nn.Linear(8, 1)
 
     def training_step(self, batch, idx):
@@ -48,6 +49,8 @@ class TinyModel(L.LightningModule):
     def on_train_end(self):
         log.warning(f"rank {self.global_rank} of {self.trainer.world_size}: trained")
         self._record("fit")
+        if self.global_rank == self.fail_rank:
+            raise ValueError(f"injected failure on rank {self.global_rank}")
 
     def on_test_end(self):
         self._record("test")
