@@ -632,7 +632,7 @@ def _serve_forks(imports: list, replies: int, signals: int) -> None:
                 os.write(replies, json.dumps({"exited": pid, "code": code}).encode() + b"\n")
     for pid in children:  # rank 0 is gone, and with it the job
         os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
+        os.waitpid(pid, 0)  # SIGKILLed: bounded, but for a child the kernel holds; nothing waits on this
     os._exit(0)  # nothing to clean up: finalizing torch would cost rank 0 most of a second
 
 
@@ -721,7 +721,9 @@ def _claim(folder: Path, kind: str, inventory: list, count: int) -> _Claim:
             " for GPUs, the process's CPU affinity for cores)."
         )
     with os.fdopen(os.open(folder / f"{kind}.queue", os.O_RDWR | os.O_CREAT, 0o600)) as queue:
-        fcntl.flock(queue, fcntl.LOCK_EX)  # waits in the kernel, and a signal interrupts it
+        # Waits in the kernel, and a signal interrupts it; bounded by the claims of the jobs ahead, each
+        # bounded by the lives of the devices' holders (the kernel lets go of a lock when its holder ends).
+        fcntl.flock(queue, fcntl.LOCK_EX)
         return _claim_in_turn(folder, kind, inventory, count)
 
 
@@ -766,7 +768,7 @@ def _claim_in_turn(folder: Path, kind: str, inventory: list, count: int) -> _Cla
 
 
 def _take_when_free(fd: int, index: int, free: list, changed: threading.Condition, done: list) -> None:
-    fcntl.flock(fd, fcntl.LOCK_EX)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # a daemon thread's: bounded by the life of the device's holder
     with changed:
         if done:
             os.close(fd)
@@ -1048,6 +1050,7 @@ class _ChildRanks:
         self.said = said
         self.procs: dict = {}
         # A signal stops them from its thread, or from a handler on the main thread while it adds one.
+        # Held only while a kill is written to the fork server (proc.kill: one write to a pipe).
         self.lock = threading.RLock()
         self.stopped_by: int | None = None  # the signal that stopped them
         self.unkillable: set = set()  # ranks that outlived SIGKILL: not waited for again
