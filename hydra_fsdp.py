@@ -488,7 +488,6 @@ class _ForkServer:
         self.on_failure: dict[int, Callable[[], None]] = {}  # by pid, of each child still running
         self.lost = False  # the server died, and its children with it
         threading.Thread(target=self._read_replies, name="hydra-fsdp-fork-server", daemon=True).start()
-        atexit.register(self.close)
 
     def _read_replies(self) -> None:
         try:
@@ -543,7 +542,6 @@ class _ForkServer:
         """Close the server's stdin: it ends, and with it any child still running. The server reaps
         each child it kills, and a child the kernel holds (uninterruptible sleep) would keep it, and so
         the sweep's end, waiting: after ``_KILL_WAIT`` s the server is killed, the child left behind."""
-        atexit.unregister(self.close)
         if self.proc.poll() is None:
             self.proc.stdin.close()
             try:
@@ -927,6 +925,7 @@ class _Sweep(Callback):
         return self.start_job(spec, hydra_job)
 
     def start_job(self, spec: _LaunchSpec, hydra_job: dict) -> "_Job":
+        _register_at_exit()
         if self.job is not None:  # a job Hydra never ended (it raised past run_job), or one not alike
             self.job.close()
         self.job = _Job(self, spec, hydra_job)
@@ -1194,8 +1193,7 @@ class _Job:
         self.error: BaseException | None = None  # the job's, decided once, where it happened (error_for)
         self.stages_announced = 0
         self.closing = contextlib.ExitStack()
-        self.close = self.closing.close  # undo what the job did, the last first
-        atexit.register(self.close)  # a job that never reaches on_job_end (SystemExit) still ends
+        self.close = self.closing.close  # undo what the job did, the last first (or _at_exit does)
         self.closing.callback(self._forget)
         self.closing.callback(_restore_environ, {key: os.environ.get(key) for key in _JOB_ENV})
         self.store = sweep.new_store(spec.address)
@@ -1310,7 +1308,6 @@ class _Job:
             self.close()
 
     def _forget(self) -> None:
-        atexit.unregister(self.close)
         if self.sweep.job is self:
             self.sweep.job = None
         if self.abort.aborted and torch.cuda.is_initialized():
@@ -1490,16 +1487,27 @@ def _backends_of(group: Any) -> list:
         return []
 
 
-def _end_process_groups_at_exit() -> None:
-    """Destroy the process groups while the interpreter is whole: gloo's threads, alive while anything
-    holds a group (an FSDP module, in a cycle), abort the process at exit (SIGABRT). Then freeze the rest.
-    Registered last, so run first: a job still running (SIGTERM, Ctrl-C) is ended first, by its own close,
-    which knows whether its groups were aborted (a plain destroy of an aborted NCCL group can wait)."""
+def _at_exit() -> None:
+    """hydra_fsdp's one exit hook, for rank 0 and every other rank: in order, a job still running (SIGTERM,
+    Ctrl-C, a SystemExit that never reached Hydra's job end) ends by its own close, which knows whether its
+    groups were aborted (a plain destroy of an aborted NCCL group can wait); the process groups are destroyed
+    while the interpreter is whole (gloo's threads, alive while anything holds a group, an FSDP module in a
+    cycle, abort the process at exit: SIGABRT); the fork server ends, and any child still running with it.
+    Then the rest is frozen: the interpreter's own collections at exit need not scan it."""
     if _sweep.job is not None:
         _sweep.job.close()
     _destroy_process_group()
+    if _sweep.fork_server is not None:
+        _sweep.fork_server.close()
     gc.collect()
     gc.freeze()
+
+
+def _register_at_exit() -> None:
+    """Once, and again at each job's start and stage: the last registered runs first, before the exit
+    hooks of what a job imported (torch's, a library's) run against groups still alive."""
+    atexit.unregister(_at_exit)
+    atexit.register(_at_exit)
 
 
 # ---------- the memory a job held, freed between jobs
@@ -1855,8 +1863,7 @@ class _HydraStrategy:
 
     def setup_environment(self) -> None:
         super().setup_environment()
-        atexit.unregister(_end_process_groups_at_exit)  # once, however many stages register it
-        atexit.register(_end_process_groups_at_exit)
+        _register_at_exit()
         if self.world_size > 1:
             _check_ranks_agree(self)
 

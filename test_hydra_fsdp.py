@@ -1188,10 +1188,11 @@ def test_the_exit_hook_ends_a_running_job_before_it_destroys_the_groups(monkeypa
     group (D5: it destroyed first)."""
     calls = mock.Mock()
     monkeypatch.setattr(hydra_fsdp._sweep, "job", SimpleNamespace(close=calls.close_job))
+    monkeypatch.setattr(hydra_fsdp._sweep, "fork_server", SimpleNamespace(close=calls.close_server))
     monkeypatch.setattr(hydra_fsdp, "_destroy_process_group", calls.destroy)
     monkeypatch.setattr(hydra_fsdp.gc, "freeze", lambda: None)
-    hydra_fsdp._end_process_groups_at_exit()
-    assert [call[0] for call in calls.mock_calls] == ["close_job", "destroy"]
+    hydra_fsdp._at_exit()  # the one exit hook: the job, then the groups, then the children's server
+    assert [call[0] for call in calls.mock_calls] == ["close_job", "destroy", "close_server"]
 
 
 def test_a_failed_childs_log_excerpt_reads_the_logs_end_only(tmp_path):
@@ -1217,7 +1218,7 @@ def test_at_exit_the_groups_end_and_the_rest_is_frozen_for_the_interpreters_own_
 
     with mock.patch.object(hydra_fsdp, "_destroy_process_group") as destroy:
         try:
-            hydra_fsdp._end_process_groups_at_exit()
+            hydra_fsdp._at_exit()
             assert gc.get_freeze_count() > 0, "the exit's collections would scan it all again"
         finally:
             gc.unfreeze()
