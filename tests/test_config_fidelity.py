@@ -6,10 +6,10 @@ import json
 import shutil
 import sys
 
+import omegaconf
 import pytest
 from helpers import APPS, FAULT_BOUND, FSDP_ON_CPU, app_env, ok, run_side_by_side
 from helpers import Run as Started
-from omegaconf import OmegaConf
 
 # shape, strategy, overrides, the two jobs' values: every rank of a job must have seen them
 SWEEPS = {
@@ -35,7 +35,7 @@ DATACLASS_NODES = {
     "steps": "float",
     "run_id": "str",
     "devices": "int",
-    "kernel": "tuple" if hasattr(OmegaConf, "register_resolver") else "list",  # omegaconf 2.4's TupleConfig
+    "kernel": "list" if omegaconf.__version__.startswith("2.3") else "tuple",  # 2.4's TupleConfig
 }
 
 

@@ -11,6 +11,7 @@ without ``use_cache``: ``import`` at import time, ``main`` only under ``if __nam
 """
 
 import enum
+import inspect
 import json
 import os
 import uuid
@@ -30,8 +31,10 @@ from hydra_fsdp import HydraDDP, HydraFSDP
 
 SHAPE = os.environ.get("APP_SHAPE", "dataclass")
 STRATEGY = {"ddp": HydraDDP, "fsdp": HydraFSDP}[os.environ.get("APP_STRATEGY", "ddp")]
-# omegaconf 2.4 deprecates register_new_resolver for register_resolver: either must work
-register_resolver = getattr(OmegaConf, "register_resolver", OmegaConf.register_new_resolver)
+# omegaconf 2.4 deprecates register_new_resolver for register_resolver (2.3's register_resolver is the
+# legacy one, of other semantics): either must work
+OMEGACONF_2_4 = "use_cache" in inspect.signature(OmegaConf.register_resolver).parameters
+register_resolver = OmegaConf.register_resolver if OMEGACONF_2_4 else OmegaConf.register_new_resolver
 if os.environ.get("APP_RESOLVER") == "import":
     register_resolver("run_id", lambda: uuid.uuid4().hex)
 
