@@ -1,0 +1,194 @@
+"""``hydra/launcher=hydra_fsdp``: every rank of every job, rank 0 included, is a fresh process forked from
+the fork server, with torchrun's environment; the sweep's process runs Hydra's job machinery and never
+trains. Real sweeps of tests/apps/launcher_app.py (a plain @hydra.main app), 2 CPU ranks a job, gloo; the
+app's Record callback writes what Hydra's callbacks see in the sweep's process, job by job."""
+
+import functools
+import json
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+from helpers import APPS, FAULT_BOUND, alive, run_side_by_side, start_sweep, wait_for
+from shared import nothing_outlives
+from test_readme import EXAMPLE, REPORT
+
+LAUNCHER = ("hydra/launcher=hydra_fsdp", "+hydra.callbacks.record._target_=__main__.Record")
+FAULTS = ("segfault", "double", "plain", "collective", "after")  # the faults sweep's jobs, in order
+
+
+def launcher_app(directory):
+    directory.mkdir(parents=True, exist_ok=True)
+    shutil.copy(APPS / "launcher_app.py", directory / "app.py")
+    return directory
+
+
+def jobs(app):
+    """Each job's end as Hydra's callbacks saw it in the sweep's process, by job number."""
+    lines = (app / "sweep" / "jobs.jsonl").read_text().splitlines()
+    return {entry["job"]: entry for entry in map(json.loads, lines)}
+
+
+def seen(app, job):
+    """What each rank of a job recorded at its end, by rank."""
+    return {int(p.stem[4:]): json.loads(p.read_text()) for p in (app / "sweep" / str(job) / "seen").glob("*")}
+
+
+@pytest.fixture(scope="module")
+def sweeps(tmp_path_factory):
+    """Every sweep of this module, two at a time: {name: (app dir, run)}."""
+    starts, apps = {}, {}
+
+    def add(name, *overrides):
+        apps[name] = launcher_app(tmp_path_factory.mktemp(name))
+        starts[name] = functools.partial(start_sweep, apps[name], *LAUNCHER, *overrides)
+
+    add("faults", "hydra.launcher.nproc_per_node=2", f"case={','.join(FAULTS)}")  # Lightning's own ddp
+    add("hydra_ddp", "hydra.launcher.nproc_per_node=${devices}", "strategy=hydra", "lr=0.1,0.2")
+    add("timeout", "hydra.launcher.nproc_per_node=2", "hydra.launcher.job_timeout=10", "case=hang,plain")
+    meeting = tmp_path_factory.mktemp("meeting")
+    add("n_jobs", "hydra.launcher.n_jobs=2", "devices=1", "case=meet", f"meet_in={meeting}", "lr=0.1,0.2")
+    apps["example"] = tmp_path_factory.mktemp("example")  # HydraFSDP, module.lr=0.01,0.05, 2 ranks
+    starts["example"] = functools.partial(
+        start_sweep, apps["example"], "hydra/launcher=hydra_fsdp", script=EXAMPLE
+    )
+    with nothing_outlives("this module's sweeps"):
+        runs = run_side_by_side(list(starts.values()), at_once=2)
+    return {name: (apps[name], run) for name, run in zip(starts, runs)}
+
+
+def test_rank_0_segfault_fails_only_its_job_and_the_sweeper_gets_rank_0s_return_value(sweeps):
+    app, run = sweeps["faults"]
+    assert run.returncode != 0, "Hydra exits non-zero when a job of the sweep failed"
+    ended = jobs(app)
+    assert sorted(ended) == list(range(len(FAULTS))), run.text()[-4000:]
+    assert ended[0]["status"] == "FAILED"
+    for text in ("Rank 0 failed first", "SIGSEGV", str(app / "sweep" / "0" / "rank_0.log")):
+        assert text in ended[0]["error"], ended[0]["error"]
+    # the next job's rank 0 return value is what Hydra's callbacks (and so the sweeper) received
+    assert ended[1]["status"] == "COMPLETED"
+    assert ended[1]["value"] == seen(app, 1)[0], (ended[1], seen(app, 1))
+
+
+def test_a_jobs_default_dtype_is_not_the_next_jobs(sweeps):
+    app, _ = sweeps["faults"]
+    assert {rank: r["param_dtype"] for rank, r in seen(app, 1).items()} == {
+        0: "torch.float64",
+        1: "torch.float64",
+    }
+    assert {rank: r["param_dtype"] for rank, r in seen(app, 2).items()} == {
+        0: "torch.float32",
+        1: "torch.float32",
+    }
+
+
+def test_rank_1_raising_while_rank_0_waits_in_a_collective_fails_its_job_in_seconds(sweeps):
+    app, _ = sweeps["faults"]
+    collective = jobs(app)[3]
+    assert collective["status"] == "FAILED"
+    for text in ("Rank 1 failed first", "injected on rank 1", "rank_1.log"):
+        assert text in collective["error"], collective["error"]
+    assert collective["seconds"] < FAULT_BOUND / 2, collective  # not the group's 30 minutes
+    assert jobs(app)[4]["status"] == "COMPLETED" and sorted(seen(app, 4)) == [0, 1]
+
+
+@pytest.mark.parametrize(("sweep", "trained", "strategy"), [("faults", (2, 4), "DDPStrategy"),
+                                                            ("hydra_ddp", (0, 1), "HydraDDP")])  # fmt: skip
+def test_every_rank_is_a_fresh_process_with_torchruns_environment(sweeps, sweep, trained, strategy):
+    app, _ = sweeps[sweep]
+    pids = set()
+    for job in trained:
+        ranks = seen(app, job)
+        assert sorted(ranks) == [0, 1], (job, ranks)
+        for rank, record in ranks.items():
+            env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+            assert record["env"] == env
+            assert (record["global_rank"], record["world"], record["strategy"]) == (rank, 2, strategy)
+            assert record["tasks_run_here"] == 1, (
+                "a rank runs one job's task function, in a process of its own"
+            )
+            assert record["lr_type"] == "float"
+            pids.add(record["pid"])
+        assert jobs(app)[job]["status"] == "COMPLETED"
+    assert len(pids) == 2 * len(trained)
+    if sweep == "hydra_ddp":  # nproc_per_node=${devices}: read per job, from the job's config
+        assert [seen(app, job)[0]["lr"] for job in trained] == [0.1, 0.2]
+
+
+@pytest.mark.parametrize("sweep", ["faults", "hydra_ddp", "timeout", "n_jobs"])
+def test_the_sweeps_process_never_trains(sweeps, sweep):
+    app, _ = sweeps[sweep]
+    ranks = {record["pid"] for job in jobs(app) for record in seen(app, job).values()}
+    for entry in jobs(app).values():
+        assert entry["tasks_run_here"] == 0, "the task function ran in the sweep's process"
+        assert (entry["process_group"], entry["default_dtype"], entry["cuda_initialized"]) == (
+            False,
+            "torch.float32",
+            False,
+        ), entry
+        assert entry["sweep_pid"] not in ranks
+
+
+def test_the_sweep_ends_with_a_summary_the_failed_jobs_first(sweeps):
+    _, run = sweeps["faults"]
+    summary = run.text().split("hydra_fsdp: 5 job(s), 2 failed:")[1]
+    rows = [line.split()[0] for line in summary.splitlines()[1:6]]
+    assert rows == ["#0", "#3", "#1", "#2", "#4"], summary[:2000]
+    assert "job #3 starts (case=collective): 2 rank(s)" in run.text()
+
+
+def test_job_timeout_ends_a_hung_job_and_the_next_job_runs(sweeps):
+    app, run = sweeps["timeout"]
+    hung = jobs(app)[0]
+    assert hung["status"] == "FAILED" and "job_timeout=10" in hung["error"], hung
+    assert hung["seconds"] < FAULT_BOUND, hung  # the first job: the fork server starts in it too
+    assert "most recent call first" in (app / "sweep" / "0" / "rank_1.log").read_text()  # where it stood
+    assert jobs(app)[1]["status"] == "COMPLETED", run.text()[-3000:]
+
+
+def test_n_jobs_run_jobs_at_once_on_cores_of_their_own(sweeps):
+    app, run = sweeps["n_jobs"]
+    assert [jobs(app)[job]["status"] for job in (0, 1)] == ["COMPLETED"] * 2, run.text()[-3000:]
+    first, second = (set(seen(app, job)[0]["affinity"]) for job in (0, 1))
+    assert not first & second, (first, second)
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_sweep_ends_every_running_rank(tmp_path, how):
+    app = launcher_app(tmp_path)
+    sweep = start_sweep(app, *LAUNCHER, "hydra.launcher.nproc_per_node=2", "case=hang,plain")
+    try:
+        marks = [app / "sweep" / "0" / f"in_collective_rank{rank}" for rank in (0, 1)]
+        wait_for(lambda: all(mark.exists() for mark in marks), FAULT_BOUND, "both ranks in the job")
+        pids = [int(mark.read_text()) for mark in marks]
+        sweep.proc.send_signal(how)
+        sweep.wait(FAULT_BOUND)
+    finally:
+        sweep.end()
+    assert sweep.returncode != 0
+    assert not [pid for pid in pids if alive(pid)]
+    assert not Path(app / "sweep" / "1").exists(), "the sweep went on after the signal"
+
+
+def test_the_example_sweep_runs_under_the_launcher_to_the_losses_it_reaches_without_it(sweeps):
+    """``python example_sweep.py -m hydra/launcher=hydra_fsdp`` (docs/launcher.md): rank 0 of each job,
+    a fresh process, prints every rank's line to its log; the seeded model ends each lr at the loss the
+    README shows for the strategy alone."""
+    app, run = sweeps["example"]
+    assert (
+        "python example_sweep.py -m hydra/launcher=hydra_fsdp"
+        in (APPS.parents[1] / "docs" / "launcher.md").read_text()
+    )
+    assert run.returncode == 0, run.text()[-6000:]
+    reports = [
+        m.groupdict()
+        for job in (0, 1)
+        for m in REPORT.finditer((app / "sweep" / str(job) / "rank_0.log").read_text())
+    ]
+    assert [(r["job"], r["rank"]) for r in reports] == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")], (
+        reports
+    )
+    assert len({r["pid"] for r in reports}) == 4 and str(run.pid) not in {r["pid"] for r in reports}
+    assert {(r["lr"], r["loss"]) for r in reports} == {("0.01", "2.0668"), ("0.05", "1.1482")}
+    assert {r["strategy"] for r in reports} == {"HydraFSDP"}
