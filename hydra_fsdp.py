@@ -2157,6 +2157,8 @@ def __getattr__(name: str) -> Any:
 # segfault, torch's defaults, DeepSpeed's groups, a broken CUDA context), and the sweep never trains.
 
 _RESULT_ENV = "HYDRA_FSDP_RESULT"  # set for rank 0 under the launcher: where it writes its outcome
+_RESULT_FILE = "rank_0.result.pickle"  # in the job's dir, until the sweep's process has read it
+_PLAIN = "Return plain values from the task function (numbers, strings, dicts and lists of them, tensors)."
 
 
 @dataclasses.dataclass
@@ -2184,8 +2186,9 @@ class HydraFSDPLauncher(Launcher):
     and torch find their ranks started (hydra_fsdp's strategies then start none). The job's result is
     rank 0's: its return value, or its exception; else the error of the rank that failed first."""
 
-    def __init__(self, nproc_per_node: Any = 1, n_jobs: int = 1, job_timeout: Any = None,
+    def __init__(self, nproc_per_node: Any = None, n_jobs: int = 1, job_timeout: Any = None,
                  rank_timeout: float = DEFAULT_RANK_TIMEOUT) -> None:  # fmt: skip
+        # nproc_per_node is read per job, from the job's config (_start_ranks): it may follow it
         if type(n_jobs) is not int or n_jobs < 1 or not (job_timeout is None or job_timeout > 0):
             raise ValueError(
                 f"hydra.launcher.n_jobs={n_jobs!r}, job_timeout={job_timeout!r}: expected n_jobs an int >= 1"
@@ -2305,7 +2308,7 @@ def _start_ranks(
         if placement.cores[rank] is not None:
             env[_RANK_CORES_ENV] = ",".join(map(str, placement.cores[rank]))
         if rank == 0:
-            env[_RESULT_ENV] = str(job_dir / "rank_0.result.pickle")
+            env[_RESULT_ENV] = str(job_dir / _RESULT_FILE)
         on_failure = functools.partial(failures.append, rank)
         children.add(rank, server.start(command, env, children.log(rank), rank_timeout, on_failure))
     return failures
@@ -2349,26 +2352,32 @@ def _stepped_out(outside: dict, hydra_job: dict, machinery: threading.Lock) -> A
 def _outcome(children: _ChildRanks, failures: list, settled: bool, job_timeout: Any) -> Any:
     """Rank 0's return value; else its exception, or the error of the rank that failed first (its log)."""
     if not settled:
-        error = ChildRankError(f"The job ran past hydra.launcher.job_timeout={job_timeout} s.")
+        error = ChildRankError(
+            f"The job ran past hydra.launcher.job_timeout={job_timeout} s: raise it if the job needs longer;"
+            " where each rank stood is in its log."
+        )
         children.end_saying_where_they_stood(error, "Its ranks were still running;")
         raise error
     first = failures[0] if failures else children.first_failed()  # the server lost: all read as killed
     children.end()  # the others, at once, even blocked in a collective
-    result = children.job_dir / "rank_0.result.pickle"
+    result = children.job_dir / _RESULT_FILE
     outcome = {}
     if first in (0, None) and result.exists():
         try:
             outcome = pickle.loads(result.read_bytes())
         except Exception as error:  # noqa: BLE001 - a class the sweep's process cannot import, or more
-            outcome = {"error": RankLaunchError(f"Rank 0's outcome cannot be unpickled here: {error!r}")}
+            outcome = {
+                "error": RankLaunchError(f"Rank 0's outcome cannot be unpickled here: {error!r}. {_PLAIN}")
+            }
         result.unlink()
     if first is None and "value" in outcome:
         return outcome["value"]
     if isinstance(outcome.get("error"), Exception):  # not rank 0's Ctrl-C: the sweep's to stop on
         _add_note(outcome["error"], f"Raised on {children.describe(0)}")
         raise outcome["error"]
-    rank = 0 if first is None else first
-    raise ChildRankError(f"Rank {rank} failed first: {children.describe(rank)}")
+    if first is None:  # its result file gone or unwritable
+        raise ChildRankError(f"Rank 0 handed back no return value at {result}: {children.describe(0)}")
+    raise ChildRankError(f"Rank {first} failed first: {children.describe(first)}")
 
 
 def _hand_back(**outcome: Any) -> None:
@@ -2382,7 +2391,11 @@ def _hand_back(**outcome: Any) -> None:
     except Exception as error:  # noqa: BLE001 - PicklingError, or what an object's own __reduce__ raises
         what = "return value" if "value" in outcome else f"exception {outcome['error']!r}"
         pickled = pickle.dumps(
-            {"error": RankLaunchError(f"Rank 0's {what} cannot be pickled for the sweep: {error!r}.")}
+            {
+                "error": RankLaunchError(
+                    f"Rank 0's {what} cannot be pickled for the sweep: {error!r}. {_PLAIN}"
+                )
+            }
         )
     Path(path).write_bytes(pickled)
 

@@ -10,7 +10,8 @@ import signal
 from pathlib import Path
 
 import pytest
-from helpers import APPS, FAULT_BOUND, alive, run_side_by_side, start_sweep, wait_for
+import torch
+from helpers import APPS, FAULT_BOUND, SWEEP_TIMEOUT, alive, run_side_by_side, start_sweep, wait_for
 from shared import nothing_outlives
 from test_readme import EXAMPLE, REPORT
 
@@ -47,8 +48,9 @@ def sweeps(tmp_path_factory):
     add("faults", "hydra.launcher.nproc_per_node=2", f"case={','.join(FAULTS)}")  # Lightning's own ddp
     add("hydra_ddp", "hydra.launcher.nproc_per_node=${devices}", "strategy=hydra", "lr=0.1,0.2")
     add("timeout", "hydra.launcher.nproc_per_node=2", "hydra.launcher.job_timeout=10", "case=hang,plain")
+    add("mismatch", "hydra.launcher.nproc_per_node=1", "strategy=ddp,hydra")  # the Trainer asks for 2
     meeting = tmp_path_factory.mktemp("meeting")
-    add("n_jobs", "hydra.launcher.n_jobs=2", "devices=1", "case=meet", f"meet_in={meeting}", "lr=0.1,0.2")
+    add("n_jobs", *N_JOBS, f"meet_in={meeting}")
     apps["example"] = tmp_path_factory.mktemp("example")  # HydraFSDP, module.lr=0.01,0.05, 2 ranks
     starts["example"] = functools.partial(
         start_sweep, apps["example"], "hydra/launcher=hydra_fsdp", script=EXAMPLE
@@ -116,7 +118,7 @@ def test_every_rank_is_a_fresh_process_with_torchruns_environment(sweeps, sweep,
         assert [seen(app, job)[0]["lr"] for job in trained] == [0.1, 0.2]
 
 
-@pytest.mark.parametrize("sweep", ["faults", "hydra_ddp", "timeout", "n_jobs"])
+@pytest.mark.parametrize("sweep", ["faults", "hydra_ddp", "timeout", "n_jobs", "mismatch"])
 def test_the_sweeps_process_never_trains(sweeps, sweep):
     app, _ = sweeps[sweep]
     ranks = {record["pid"] for job in jobs(app) for record in seen(app, job).values()}
@@ -128,6 +130,15 @@ def test_the_sweeps_process_never_trains(sweeps, sweep):
             False,
         ), entry
         assert entry["sweep_pid"] not in ranks
+
+
+def test_a_trainer_asking_for_other_ranks_than_nproc_per_node_fails_at_once_naming_both(sweeps):
+    app, _ = sweeps["mismatch"]
+    ended = jobs(app)
+    assert [ended[job]["status"] for job in (0, 1)] == ["FAILED", "FAILED"]
+    assert "devices=2" in ended[0]["error"] and "world size (1)" in ended[0]["error"]  # Lightning's ddp
+    assert "started 1 processes" in ended[1]["error"] and "1 x 2 = 2" in ended[1]["error"]  # HydraDDP
+    assert not list(app.glob("sweep/*/seen"))
 
 
 def test_the_sweep_ends_with_a_summary_the_failed_jobs_first(sweeps):
@@ -145,6 +156,9 @@ def test_job_timeout_ends_a_hung_job_and_the_next_job_runs(sweeps):
     assert hung["seconds"] < FAULT_BOUND, hung  # the first job: the fork server starts in it too
     assert "most recent call first" in (app / "sweep" / "0" / "rank_1.log").read_text()  # where it stood
     assert jobs(app)[1]["status"] == "COMPLETED", run.text()[-3000:]
+
+
+N_JOBS = ("hydra.launcher.n_jobs=2", "devices=1", "case=meet", "lr=0.1,0.2")
 
 
 def test_n_jobs_run_jobs_at_once_on_cores_of_their_own(sweeps):
@@ -192,3 +206,18 @@ def test_the_example_sweep_runs_under_the_launcher_to_the_losses_it_reaches_with
     assert len({r["pid"] for r in reports}) == 4 and str(run.pid) not in {r["pid"] for r in reports}
     assert {(r["lr"], r["loss"]) for r in reports} == {("0.01", "2.0668"), ("0.05", "1.1482")}
     assert {r["strategy"] for r in reports} == {"HydraFSDP"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_one_gpu_jobs_at_once_each_see_a_gpu_of_their_own(tmp_path):
+    """CUDA_VISIBLE_DEVICES narrowed to the job's GPU: cuda:0 is each job's own, for any strategy."""
+    app, meeting = launcher_app(tmp_path / "app"), tmp_path / "meeting"
+    meeting.mkdir()
+    run = start_sweep(app, *LAUNCHER, *N_JOBS, "accelerator=gpu", f"meet_in={meeting}").wait(SWEEP_TIMEOUT)
+    assert run.returncode == 0, run.text()[-6000:]
+    ranks = [seen(app, job)[0] for job in (0, 1)]
+    assert [rank["root_device"] for rank in ranks] == ["cuda:0", "cuda:0"]
+    visible = [rank["cuda_visible_devices"] for rank in ranks]
+    assert len(set(visible)) == 2 and all("," not in gpus for gpus in visible), visible
+    assert not any(entry["cuda_initialized"] for entry in jobs(app).values())

@@ -7,7 +7,8 @@ it; ``case`` picks what a job does:
 - ``segfault``: rank 0 segfaults before training;
 - ``collective``: rank 1 raises while rank 0 waits for it in an all_reduce;
 - ``hang``: rank 1 sleeps while rank 0 waits for it in an all_reduce (for job_timeout, or a signal);
-- ``meet``: one rank per job, waiting for the other job's (``meet_in``): jobs at once, no training.
+- ``meet``: one rank per job, waiting for the other job's (``meet_in``): jobs at once, no training
+  (``accelerator=gpu``: on a GPU each).
 
 ``+hydra.callbacks.record._target_=__main__.Record`` records, in the sweep's process, each job's end as
 Hydra's callbacks see it, with that process's own state, in <sweep dir>/jobs.jsonl.
@@ -39,6 +40,7 @@ class Config:
     strategy: str = "ddp"
     lr: float = 0.1
     devices: int = 2
+    accelerator: str = "cpu"
     meet_in: str = ""
 
 
@@ -90,7 +92,7 @@ def task(cfg):
     if cfg.case == "meet":
         meet(cfg, rank)
     trainer = pl.Trainer(
-        accelerator="cpu",
+        accelerator=cfg.accelerator,
         devices=cfg.devices,
         strategy=hydra_fsdp.HydraDDP() if cfg.strategy == "hydra" else cfg.strategy,
         max_epochs=1,
@@ -115,6 +117,8 @@ def task(cfg):
         "global_rank": trainer.global_rank,
         "tasks_run_here": TASKS_RUN_HERE,
         "affinity": sorted(os.sched_getaffinity(0)),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "root_device": str(trainer.strategy.root_device),
         "time": time.time(),
     }
     (job_dir / "seen").mkdir(exist_ok=True)
