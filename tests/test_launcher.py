@@ -11,12 +11,27 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import APPS, FAULT_BOUND, SWEEP_TIMEOUT, alive, run_side_by_side, start_sweep, wait_for
+from helpers import (
+    APPS,
+    FAULT_BOUND,
+    FSDP_ON_CPU,
+    SWEEP_TIMEOUT,
+    alive,
+    copy_template,
+    records,
+    run_side_by_side,
+    start_sweep,
+    wait_for,
+)
 from shared import nothing_outlives
 from test_readme import EXAMPLE, REPORT
 
 LAUNCHER = ("hydra/launcher=hydra_fsdp", "+hydra.callbacks.record._target_=__main__.Record")
 FAULTS = ("segfault", "double", "plain", "collective", "after")  # the faults sweep's jobs, in order
+# the strategies sweep's, a job each (HydraFSDP where this Lightning runs it on the CPU); HydraDDP trains 2
+# more in the template's sweep, Lightning's own ddp 3 in the faults sweep
+STRATEGIES = {"hydra": "HydraDDP", "fabric": "Fabric", "torch": "init_process_group"}
+STRATEGIES.update({"hydra_fsdp": "HydraFSDP"} if FSDP_ON_CPU else {})
 
 
 def launcher_app(directory):
@@ -46,7 +61,11 @@ def sweeps(tmp_path_factory):
         starts[name] = functools.partial(start_sweep, apps[name], *LAUNCHER, *overrides)
 
     add("faults", "hydra.launcher.nproc_per_node=2", f"case={','.join(FAULTS)}")  # Lightning's own ddp
-    add("hydra_ddp", "hydra.launcher.nproc_per_node=${devices}", "strategy=hydra", "lr=0.1,0.2")
+    add(
+        "strategies",
+        "hydra.launcher.nproc_per_node=${devices}",
+        f"strategy={','.join(STRATEGIES)}",
+    )
     add("timeout", "hydra.launcher.nproc_per_node=2", "hydra.launcher.job_timeout=10", "case=hang,plain")
     add("mismatch", "hydra.launcher.nproc_per_node=1", "strategy=ddp,hydra")  # the Trainer asks for 2
     meeting = tmp_path_factory.mktemp("meeting")
@@ -54,6 +73,10 @@ def sweeps(tmp_path_factory):
     apps["example"] = tmp_path_factory.mktemp("example")  # HydraFSDP, module.lr=0.01,0.05, 2 ranks
     starts["example"] = functools.partial(
         start_sweep, apps["example"], "hydra/launcher=hydra_fsdp", script=EXAMPLE
+    )
+    apps["template"] = copy_template(tmp_path_factory.mktemp("template") / "template")  # HydraDDP
+    starts["template"] = functools.partial(
+        start_sweep, apps["template"], "hydra/launcher=hydra_fsdp", "model.lr=0.1,0.2", script="src/train.py"
     )
     with nothing_outlives("this module's sweeps"):
         runs = run_side_by_side(list(starts.values()), at_once=2)
@@ -95,10 +118,16 @@ def test_rank_1_raising_while_rank_0_waits_in_a_collective_fails_its_job_in_seco
     assert jobs(app)[4]["status"] == "COMPLETED" and sorted(seen(app, 4)) == [0, 1]
 
 
-@pytest.mark.parametrize(("sweep", "trained", "strategy"), [("faults", (2, 4), "DDPStrategy"),
-                                                            ("hydra_ddp", (0, 1), "HydraDDP")])  # fmt: skip
-def test_every_rank_is_a_fresh_process_with_torchruns_environment(sweeps, sweep, trained, strategy):
-    app, _ = sweeps[sweep]
+TRAINED_BY = [("faults", "DDPStrategy"), *(("strategies", name) for name in STRATEGIES.values())]
+
+
+@pytest.mark.parametrize(("sweep", "strategy"), TRAINED_BY)
+def test_every_rank_is_a_fresh_process_with_torchruns_environment(sweeps, sweep, strategy):
+    """Lightning's own ddp, hydra_fsdp's strategies, Fabric's ddp and plain torch.distributed: each trains,
+    every rank in a process of its own, as torchrun would start it."""
+    app, run = sweeps[sweep]
+    trained = [job for job, entry in jobs(app).items() if (entry["value"] or {}).get("strategy") == strategy]
+    assert len(trained) >= (2 if sweep == "faults" else 1), (jobs(app), run.text()[-3000:])
     pids = set()
     for job in trained:
         ranks = seen(app, job)
@@ -114,11 +143,35 @@ def test_every_rank_is_a_fresh_process_with_torchruns_environment(sweeps, sweep,
             pids.add(record["pid"])
         assert jobs(app)[job]["status"] == "COMPLETED"
     assert len(pids) == 2 * len(trained)
-    if sweep == "hydra_ddp":  # nproc_per_node=${devices}: read per job, from the job's config
-        assert [seen(app, job)[0]["lr"] for job in trained] == [0.1, 0.2]
 
 
-@pytest.mark.parametrize("sweep", ["faults", "hydra_ddp", "timeout", "n_jobs", "mismatch"])
+def test_the_sweeps_process_is_the_same_after_every_job(sweeps):
+    """Its threads and environment, whether the job trained, segfaulted or failed in a collective."""
+    app, _ = sweeps["faults"]
+    ended = [jobs(app)[job] for job in range(len(FAULTS))]
+    assert len({json.dumps(entry["threads"]) for entry in ended}) == 1, [entry["threads"] for entry in ended]
+    assert all(entry["environ"] == ended[0]["environ"] for entry in ended)
+
+
+def test_the_lightning_hydra_template_trains_under_the_launcher(sweeps):
+    """Its own train.py and configs (trainer=ddp: HydraDDP, devices=2): callbacks and loggers from config
+    groups, fit then test(best), on every rank; rank 0's return value (the metric) ends each job."""
+    template, run = sweeps["template"]
+    assert run.returncode == 0, run.text()[-6000:]
+    for job in (0, 1):
+        fit, tested = (
+            records(template / "sweep" / str(job), "fit"),
+            records(template / "sweep" / str(job), "test"),
+        )
+        assert sorted(fit) == sorted(tested) == [0, 1], run.text()[-3000:]
+        for record in (*fit.values(), *tested.values()):
+            assert record["callbacks"] == ["EarlyStopping", "ModelCheckpoint", "ModelSummary"]
+            assert record["loggers"] == ["CSVLogger"] and record["world"] == 2
+        assert run.pid not in {fit[0]["pid"], fit[1]["pid"]} and fit[0]["pid"] != fit[1]["pid"]
+    assert "2 job(s), 0 failed" in run.text() and "returned tensor(" in run.text()
+
+
+@pytest.mark.parametrize("sweep", ["faults", "strategies", "timeout", "n_jobs", "mismatch"])
 def test_the_sweeps_process_never_trains(sweeps, sweep):
     app, _ = sweeps[sweep]
     ranks = {record["pid"] for job in jobs(app) for record in seen(app, job).values()}
@@ -168,21 +221,28 @@ def test_n_jobs_run_jobs_at_once_on_cores_of_their_own(sweeps):
     assert not first & second, (first, second)
 
 
-@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_to_the_sweep_ends_every_running_rank(tmp_path, how):
-    app = launcher_app(tmp_path)
-    sweep = start_sweep(app, *LAUNCHER, "hydra.launcher.nproc_per_node=2", "case=hang,plain")
+def test_sigterm_or_sigint_to_the_sweep_ends_every_running_rank(tmp_path):
+    """Two sweeps at once, each in a job whose rank 0 waits in a collective for a rank 1 that sleeps: one
+    gets SIGTERM (a scheduler), the other SIGINT (Ctrl-C reaching the sweep's process alone)."""
+    signals = (signal.SIGTERM, signal.SIGINT)
+    apps = [launcher_app(tmp_path / how.name) for how in signals]
+    sweeps = [
+        start_sweep(app, *LAUNCHER, "hydra.launcher.nproc_per_node=2", "case=hang,plain") for app in apps
+    ]
     try:
-        marks = [app / "sweep" / "0" / f"in_collective_rank{rank}" for rank in (0, 1)]
-        wait_for(lambda: all(mark.exists() for mark in marks), FAULT_BOUND, "both ranks in the job")
+        marks = [app / "sweep" / "0" / f"in_collective_rank{rank}" for app in apps for rank in (0, 1)]
+        wait_for(lambda: all(mark.exists() for mark in marks), FAULT_BOUND, "every rank in its job")
         pids = [int(mark.read_text()) for mark in marks]
-        sweep.proc.send_signal(how)
-        sweep.wait(FAULT_BOUND)
+        for sweep, how in zip(sweeps, signals):
+            sweep.proc.send_signal(how)
+        for sweep in sweeps:
+            sweep.wait(FAULT_BOUND)
     finally:
-        sweep.end()
-    assert sweep.returncode != 0
+        for sweep in sweeps:
+            sweep.end()
+    assert all(sweep.returncode != 0 for sweep in sweeps)
     assert not [pid for pid in pids if alive(pid)]
-    assert not Path(app / "sweep" / "1").exists(), "the sweep went on after the signal"
+    assert not [app for app in apps if Path(app / "sweep" / "1").exists()], "a sweep went on after the signal"
 
 
 def test_the_example_sweep_runs_under_the_launcher_to_the_losses_it_reaches_without_it(sweeps):

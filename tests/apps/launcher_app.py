@@ -2,7 +2,8 @@
 torchrun would run it. Every rank writes what it saw to <job dir>/seen/rank<RANK>.json and rank 0 returns
 it; ``case`` picks what a job does:
 
-- ``plain``: train (``strategy``: "ddp", Lightning's own, or "hydra", hydra_fsdp.HydraDDP);
+- ``plain``: train, with ``strategy``: "ddp" (Lightning's own), "hydra" (hydra_fsdp.HydraDDP), "hydra_fsdp"
+  (HydraFSDP), "fabric" (Fabric's own ddp) or "torch" (torch.distributed.init_process_group(), no Lightning);
 - ``double``: train after ``torch.set_default_dtype(torch.float64)``;
 - ``segfault``: rank 0 segfaults before training;
 - ``collective``: rank 1 raises while rank 0 waits for it in an all_reduce;
@@ -17,6 +18,7 @@ Hydra's callbacks see it, with that process's own state, in <sweep dir>/jobs.jso
 import ctypes
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +30,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobStatus
 from hydra.experimental.callback import Callback
+from lightning_fabric import Fabric
 
 import hydra_fsdp
 
@@ -49,6 +52,9 @@ class Tiny(pl.LightningModule):
         super().__init__()
         self.lr = lr
         self.net = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.net(x)
 
     def training_step(self, batch, idx):
         x, y = batch
@@ -73,6 +79,50 @@ def meet(cfg, rank):
         time.sleep(0.05)
 
 
+def train(cfg):
+    """Train with the strategy ``cfg.strategy`` names: what this rank saw of it."""
+    module = Tiny(cfg.lr)
+    if cfg.strategy == "torch":
+        torch.distributed.init_process_group("gloo")
+        ranks = torch.ones(1)
+        torch.distributed.all_reduce(ranks)
+        world, rank, strategy, device = int(ranks), torch.distributed.get_rank(), "init_process_group", "cpu"
+        torch.distributed.destroy_process_group()
+    elif cfg.strategy == "fabric":
+        fabric = Fabric(accelerator=cfg.accelerator, devices=cfg.devices, strategy="ddp")
+        fabric.launch()
+        model, optimizer = fabric.setup(module, module.configure_optimizers())
+        for x, y in fabric.setup_dataloaders(module.train_dataloader()):
+            fabric.backward(torch.nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+        world, rank, strategy, device = fabric.world_size, fabric.global_rank, "Fabric", str(fabric.device)
+    else:
+        strategies = {"hydra": hydra_fsdp.HydraDDP, "hydra_fsdp": hydra_fsdp.HydraFSDP}
+        trainer = pl.Trainer(
+            accelerator=cfg.accelerator,
+            devices=cfg.devices,
+            strategy=strategies[cfg.strategy]() if cfg.strategy in strategies else cfg.strategy,
+            max_epochs=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        if cfg.case != "meet":
+            trainer.fit(module)
+        world, rank, strategy = trainer.world_size, trainer.global_rank, type(trainer.strategy).__name__
+        device = str(trainer.strategy.root_device)
+    param_dtype = str(next(module.parameters()).dtype)
+    return {
+        "world": world,
+        "global_rank": rank,
+        "strategy": strategy,
+        "root_device": device,
+        "param_dtype": param_dtype,
+    }
+
+
 def task(cfg):
     global TASKS_RUN_HERE
     TASKS_RUN_HERE += 1
@@ -91,36 +141,15 @@ def task(cfg):
         torch.distributed.all_reduce(torch.ones(1))  # waits for rank 1
     if cfg.case == "meet":
         meet(cfg, rank)
-    trainer = pl.Trainer(
-        accelerator=cfg.accelerator,
-        devices=cfg.devices,
-        strategy=hydra_fsdp.HydraDDP() if cfg.strategy == "hydra" else cfg.strategy,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+    seen = dict(train(cfg), case=cfg.case, lr=cfg.lr, lr_type=type(cfg.lr).__name__)
+    seen.update(
+        env={key: os.environ.get(key) for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")},
+        pid=os.getpid(),
+        default_dtype=str(torch.get_default_dtype()),
+        tasks_run_here=TASKS_RUN_HERE,
+        affinity=sorted(os.sched_getaffinity(0)),
+        cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
     )
-    module = Tiny(cfg.lr)
-    if cfg.case != "meet":
-        trainer.fit(module)
-    seen = {
-        "env": {key: os.environ.get(key) for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")},
-        "pid": os.getpid(),
-        "lr": cfg.lr,
-        "lr_type": type(cfg.lr).__name__,
-        "case": cfg.case,
-        "param_dtype": str(next(module.parameters()).dtype),
-        "default_dtype": str(torch.get_default_dtype()),
-        "strategy": type(trainer.strategy).__name__,
-        "world": trainer.world_size,
-        "global_rank": trainer.global_rank,
-        "tasks_run_here": TASKS_RUN_HERE,
-        "affinity": sorted(os.sched_getaffinity(0)),
-        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-        "root_device": str(trainer.strategy.root_device),
-        "time": time.time(),
-    }
     (job_dir / "seen").mkdir(exist_ok=True)
     (job_dir / "seen" / f"rank{rank}.json").write_text(json.dumps(seen))
     return seen
@@ -145,6 +174,8 @@ class Record(Callback):
             "default_dtype": str(torch.get_default_dtype()),
             "cuda_initialized": torch.cuda.is_initialized(),
             "tasks_run_here": TASKS_RUN_HERE,
+            "threads": sorted(thread.name for thread in threading.enumerate()),
+            "environ": dict(os.environ),
         }
         with open(Path(config.hydra.sweep.dir) / "jobs.jsonl", "a") as jobs:
             jobs.write(json.dumps(entry) + "\n")
