@@ -35,6 +35,7 @@ instead of hanging a job.
 __version__ = "0.2.0"
 
 import atexit
+import concurrent.futures
 import contextlib
 import copy
 import dataclasses
@@ -58,6 +59,7 @@ import re
 import runpy
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -73,8 +75,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed
 from hydra.core.hydra_config import HydraConfig
-from hydra.core.utils import JobStatus, setup_globals
+from hydra.core.utils import JobStatus, configure_log, run_job, setup_globals
 from hydra.experimental.callback import Callback
+from hydra.plugins.launcher import Launcher
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
@@ -362,7 +365,7 @@ def _write_launch(path: Path, hydra_job: dict, spec: "_LaunchSpec") -> bool:
         raise RankLaunchError(
             f"Child ranks cannot have this job's config: {why_not_config}. {_WHERE_CLASSES_GO}"
         )
-    if task is None and spec.lightning.endswith("fabric"):
+    if task is None and (spec.lightning.endswith("fabric") or spec.module_key is None):  # no fallback
         raise RankLaunchError(
             f"Child ranks cannot run this job: {why_not}. Define it at the top level of an importable file."
         )
@@ -1122,7 +1125,11 @@ class _ChildRanks:
         failed = self.first_failed()
         return None if failed is None else self.failure(failed)
 
-    def end_saying_where_they_stood(self, error: BaseException | None) -> None:
+    def end_saying_where_they_stood(
+        self,
+        error: BaseException | None,
+        why: str = "Rank 0 failed while these child ranks were still running;",
+    ) -> None:
         """Have every running child dump its stack to its log, end them, and say so under ``error``."""
         running = self.running()
         if not running:
@@ -1133,8 +1140,7 @@ class _ChildRanks:
         self.end()
         _add_note(
             error,
-            "Rank 0 failed while these child ranks were still running; they were ended:\n"
-            + "\n".join(self.describe(rank) for rank in running),
+            f"{why} they were ended:\n" + "\n".join(self.describe(rank) for rank in running),
         )
 
     def failure(self, rank: int) -> ChildRankError:
@@ -2260,6 +2266,268 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+# -------------------- the launcher: every rank a fresh process
+# ``hydra/launcher=hydra_fsdp``: the sweep's process runs Hydra's job machinery (run_job: the job's dir,
+# .hydra, callbacks, logging) with a task function of its own, which starts every rank of the job, rank 0
+# included, from the fork server and waits for them. No job leaves anything in a rank of a later job (a
+# segfault, torch's defaults, DeepSpeed's groups, a broken CUDA context), and the sweep never trains.
+
+_RESULT_ENV = "HYDRA_FSDP_RESULT"  # set for rank 0 under the launcher: where it writes its outcome
+_RESULT_FILE = "rank_0.result.pickle"  # in the job's dir, until the sweep's process has read it
+_PLAIN = "Return plain values from the task function (numbers, strings, dicts and lists of them, tensors)."
+
+
+@dataclasses.dataclass
+class LauncherConf:
+    """``hydra/launcher=hydra_fsdp``'s settings (hydra_plugins/hydra_fsdp_launcher stores them)."""
+
+    _target_: str = "hydra_plugins.hydra_fsdp_launcher.HydraFSDPLauncher"
+    # ranks per job, read per job (torchrun's name): by default the job's own trainer.devices
+    nproc_per_node: Any = "${oc.select:trainer.devices,1}"
+    n_jobs: int = 1  # jobs at once (joblib's name), each on devices of its own
+    job_timeout: Any = None  # seconds a job may run: then its ranks' stacks go to their logs and they end
+    rank_timeout: float = DEFAULT_RANK_TIMEOUT  # seconds for the fork server to start a rank
+
+
+class HydraFSDPLauncher(Launcher):
+    """Run each job's ranks 0..N-1 as forks of the fork server, each as torchrun would start it::
+
+        RANK=<r> LOCAL_RANK=<r> GROUP_RANK=0 NODE_RANK=0 WORLD_SIZE=<N> LOCAL_WORLD_SIZE=<N> \\
+        MASTER_ADDR=127.0.0.1 MASTER_PORT=<a free port> TORCHELASTIC_RUN_ID=hydra_fsdp-<job number> \\
+        OMP_NUM_THREADS=<its threads> HYDRA_FSDP_RANK_CORES=<its cores> (CUDA_VISIBLE_DEVICES=<the job's>) \\
+        HYDRA_FSDP_RESULT=<job dir>/rank_0.result.pickle (rank 0) \\
+            python /path/to/hydra_fsdp.py <job dir>/rank_config.pickle  >> <job dir>/rank_<r>.log 2>&1
+
+    (the launch file of ``_write_launch``: the job's task function and config), so that Lightning, Fabric
+    and torch find their ranks started (hydra_fsdp's strategies then start none). The job's result is
+    rank 0's: its return value, or its exception; else the error of the rank that failed first."""
+
+    def __init__(self, nproc_per_node: Any = None, n_jobs: int = 1, job_timeout: Any = None,
+                 rank_timeout: float = DEFAULT_RANK_TIMEOUT) -> None:  # fmt: skip
+        # nproc_per_node is read per job, from the job's config (_start_ranks): it may follow it
+        if type(n_jobs) is not int or n_jobs < 1 or not (job_timeout is None or job_timeout > 0):
+            raise ValueError(
+                f"hydra.launcher.n_jobs={n_jobs!r}, job_timeout={job_timeout!r}: expected n_jobs an int >= 1"
+                " and job_timeout seconds > 0, or null for no limit."
+            )
+        self.n_jobs, self.job_timeout, self.rank_timeout = n_jobs, job_timeout, rank_timeout
+        self.machinery = threading.Lock()  # what run_job sets process-wide is one job's at a time
+        self.running: set = set()  # the _ChildRanks of each running job
+        self.stopped: int | None = None  # the signal that stopped the sweep
+        self.ended: dict = {}  # by job number: its seconds, and what it returned or raised
+
+    def setup(self, *, hydra_context: Any, task_function: Callable, config: DictConfig) -> None:
+        self.hydra_context, self.task_function, self.config = hydra_context, task_function, config
+
+    def launch(self, job_overrides: Any, initial_job_idx: int) -> list:
+        setup_globals()
+        configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
+        Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
+        watch = _SignalWatch(self._stop)  # Ctrl-C, SIGTERM: every running rank ends at once
+        pool = concurrent.futures.ThreadPoolExecutor(self.n_jobs, thread_name_prefix="hydra-fsdp-job")
+        try:
+            numbered = enumerate(job_overrides, start=initial_job_idx)
+            returns = [job.result() for job in [pool.submit(self._job, *job) for job in numbered]]
+        except BaseException:
+            self._stop(signal.SIGTERM)
+            raise
+        finally:
+            pool.shutdown(cancel_futures=True)  # a running job's ranks were ended: it ends at once
+            watch.close()
+        _log_summary(returns, self.ended)
+        return returns
+
+    def _stop(self, signum: int) -> None:
+        self.stopped = signum
+        for children in list(self.running):
+            children.stop(signum)
+
+    def _job(self, number: int, overrides: Any) -> Any:
+        with self.machinery:
+            config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+            with open_dict(config):
+                config.hydra.job.id = config.hydra.job.num = number
+            # what run_job changes process-wide, as it finds it: the next job's while this one's ranks run
+            outside = {
+                "cwd": os.getcwd(),
+                "env": {key: os.environ.get(key) for key in config.hydra.job.env_set},
+            }
+            return run_job(
+                hydra_context=self.hydra_context,
+                task_function=functools.partial(self._run_ranks, outside),
+                config=config,
+                job_dir_key="hydra.sweep.dir",
+                job_subdir_key="hydra.sweep.subdir",
+            )
+
+    def _run_ranks(self, outside: dict, task_cfg: DictConfig) -> Any:
+        """The task function run_job runs here: start the job's ranks, wait for them, return rank 0's."""
+        hydra_job = dict(_hydra_job(), task_function=self.task_function)
+        number, started = hydra_job["config"].hydra.job.num, time.monotonic()
+        with contextlib.ExitStack() as job:
+            children = _ChildRanks(Path(HydraConfig.get().runtime.output_dir), _sweep.said)
+            self.running.add(children)
+            job.callback(self.running.discard, children)
+            job.callback(children.end)
+            if self.stopped is not None:
+                children.stop(self.stopped)
+            failures = _start_ranks(job, children, hydra_job, self.rank_timeout)
+            with _stepped_out(outside, hydra_job, self.machinery):
+                settled = _wait_until(children.said, children.settled, self.job_timeout)
+            try:
+                returned = _outcome(children, failures, settled, self.job_timeout)
+            except BaseException as error:
+                self.ended[number] = (time.monotonic() - started, f"{type(error).__name__}: {error}")
+                log.error(f"hydra_fsdp: job #{number} failed after {self.ended[number][0]:.1f} s: {error}")
+                raise
+            self.ended[number] = (time.monotonic() - started, f"returned {returned!r}")
+            log.info(
+                f"hydra_fsdp: job #{number} completed in {self.ended[number][0]:.1f} s, returned {returned!r}"
+            )
+            return returned
+
+
+def _start_ranks(
+    job: contextlib.ExitStack, children: _ChildRanks, hydra_job: dict, rank_timeout: float
+) -> list:
+    """Claim the job's devices (let go of at ``job``'s end), start its ranks and say so. Return the list
+    the fork server's thread appends each failed rank to."""
+    config, job_dir = hydra_job["config"], children.job_dir
+    world = config.hydra.launcher.nproc_per_node
+    if type(world) is not int or world < 1:
+        raise RankLaunchError(
+            f"hydra.launcher.nproc_per_node={world!r}: expected the number of ranks of the job, an int >= 1"
+            " (e.g. hydra.launcher.nproc_per_node=2; by default the job's trainer.devices, else 1)."
+        )
+    inventory = _gpu_inventory()  # torch.cuda.device_count(), which does not initialise CUDA
+    devices = tuple(torch.device("cuda" if inventory else "cpu", rank) for rank in range(world))
+    lightning = _NAMESPACES[_namespace_in_use()]
+    spec = _LaunchSpec(world, devices, "127.0.0.1", lightning, rank_timeout, None, None)
+    claims: list = []
+    job.callback(lambda: [claim.release() for claim in claims])
+    placement = _placement(spec, claims)
+    job.callback((job_dir / _LAUNCH_FILE).unlink, missing_ok=True)
+    _write_launch(job_dir / _LAUNCH_FILE, hydra_job, spec)
+    env = _torchrun_env(world, config.hydra.job.num, placement, inventory)
+    where = [f"cores {','.join(map(str, cores))}" for cores in placement.cores if cores is not None]
+    log.info(
+        f"hydra_fsdp: job #{config.hydra.job.num} starts ({' '.join(config.hydra.overrides.task)}): {world}"
+        f" rank(s) on {env.get('CUDA_VISIBLE_DEVICES', ' | '.join(where) or 'every core')}, logs {job_dir}"
+    )
+    server, delay, failures = _sweep.started_fork_server(lightning), _launch_delay(), []  # first first
+    command = [sys.executable, os.path.abspath(__file__), str(job_dir / _LAUNCH_FILE)]
+    for rank in range(world):
+        if rank and delay:
+            time.sleep(delay)
+        env = {key: value for key, value in env.items() if key not in (_RANK_CORES_ENV, _RESULT_ENV)}
+        env.update(RANK=str(rank), LOCAL_RANK=str(rank))
+        if placement.cores[rank] is not None:
+            env[_RANK_CORES_ENV] = ",".join(map(str, placement.cores[rank]))
+        if rank == 0:
+            env[_RESULT_ENV] = str(job_dir / _RESULT_FILE)
+        on_failure = functools.partial(failures.append, rank)
+        children.add(rank, server.start(command, env, children.log(rank), rank_timeout, on_failure))
+    return failures
+
+
+def _torchrun_env(world: int, number: int, placement: _Placement, inventory: dict) -> dict:
+    """What every rank of a job has of torchrun's environment, and of the devices its job holds."""
+    with socket.socket() as free:  # for rank 0's store; the OS offers the next job another
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
+               LOCAL_WORLD_SIZE=str(world), NODE_RANK="0", GROUP_RANK="0", PYTHONUNBUFFERED="1",
+               TORCHELASTIC_RUN_ID=f"hydra_fsdp-{number}")  # fmt: skip
+    env.setdefault("OMP_NUM_THREADS", str(placement.threads))  # a user's value stands
+    if placement.gpus is not None:  # cuda:<LOCAL_RANK> is then the rank's GPU, for any strategy
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(inventory[gpu] for gpu in placement.gpus)
+    return env
+
+
+@contextlib.contextmanager
+def _stepped_out(outside: dict, hydra_job: dict, machinery: threading.Lock) -> Any:
+    """While the job's ranks run, leave the sweep's process as run_job found it (its directory, environment),
+    for another job's run_job (n_jobs); then take back what this job's run_job set, its Hydra config and
+    logging too, before it goes on (the job's end: callbacks, the directory and environment put back)."""
+    cwd, env, root = os.getcwd(), {key: os.environ.get(key) for key in outside["env"]}, logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    os.chdir(outside["cwd"])
+    _restore_environ(outside["env"])
+    machinery.release()
+    try:
+        yield
+    finally:
+        machinery.acquire()
+        os.chdir(cwd)
+        _restore_environ(env)
+        HydraConfig.instance().set_config(hydra_job["config"])
+        root.handlers[:] = handlers
+        root.setLevel(level)
+
+
+def _outcome(children: _ChildRanks, failures: list, settled: bool, job_timeout: Any) -> Any:
+    """Rank 0's return value; else its exception, or the error of the rank that failed first (its log)."""
+    if not settled:
+        error = ChildRankError(
+            f"The job ran past hydra.launcher.job_timeout={job_timeout} s: raise it if the job needs longer;"
+            " where each rank stood is in its log."
+        )
+        children.end_saying_where_they_stood(error, "Its ranks were still running;")
+        raise error
+    first = failures[0] if failures else children.first_failed()  # the server lost: all read as killed
+    children.end()  # the others, at once, even blocked in a collective
+    result = children.job_dir / _RESULT_FILE
+    outcome = {}
+    if first in (0, None) and result.exists():
+        try:
+            outcome = pickle.loads(result.read_bytes())
+        except Exception as error:  # noqa: BLE001 - a class the sweep's process cannot import, or more
+            outcome = {
+                "error": RankLaunchError(f"Rank 0's outcome cannot be unpickled here: {error!r}. {_PLAIN}")
+            }
+        result.unlink()
+    if first is None and "value" in outcome:
+        return outcome["value"]
+    if isinstance(outcome.get("error"), Exception):  # not rank 0's Ctrl-C: the sweep's to stop on
+        _add_note(outcome["error"], f"Raised on {children.describe(0)}")
+        raise outcome["error"]
+    if first is None:  # its result file gone or unwritable
+        raise ChildRankError(f"Rank 0 handed back no return value at {result}: {children.describe(0)}")
+    raise ChildRankError(f"Rank {first} failed first: {children.describe(first)}")
+
+
+def _hand_back(**outcome: Any) -> None:
+    """Under the launcher, rank 0's return value (``value``) or exception (``error``), for the sweep's
+    process. What cannot be pickled is handed back as an error saying so."""
+    path = os.environ.get(_RESULT_ENV)
+    if path is None:
+        return
+    try:
+        pickled = pickle.dumps(outcome)
+    except Exception as error:  # noqa: BLE001 - PicklingError, or what an object's own __reduce__ raises
+        what = "return value" if "value" in outcome else f"exception {outcome['error']!r}"
+        pickled = pickle.dumps(
+            {
+                "error": RankLaunchError(
+                    f"Rank 0's {what} cannot be pickled for the sweep: {error!r}. {_PLAIN}"
+                )
+            }
+        )
+    Path(path).write_bytes(pickled)
+
+
+def _log_summary(returns: list, ended: dict) -> None:
+    """The sweep's jobs, the failed first: the lines a long sweep's output is searched for."""
+    rows = []
+    for ret in sorted(returns, key=lambda ret: ret.status is JobStatus.COMPLETED):
+        number = ret.hydra_cfg.hydra.job.num
+        seconds, result = ended.get(number, (0.0, "-"))
+        row = f"  #{number:<4} {ret.status.name:<9} {seconds:6.1f} s  {' '.join(ret.overrides)}  {result}"
+        rows.append(row.splitlines()[0][:300])
+    failed = sum(ret.status is JobStatus.FAILED for ret in returns)
+    log.info(f"hydra_fsdp: {len(returns)} job(s), {failed} failed:\n" + "\n".join(rows))
+
+
 # -------------------- a child rank
 
 
@@ -2290,13 +2558,15 @@ def _run_child_rank(config_path: str) -> None:
     else:
         task_function = functools.partial(_run_config_contract, **launch["contract"])
     _child_job = {"task_function": task_function, "task_cfg": task_cfg}  # what _hydra_job finds here
-    _child_store().get(_GO_KEY)  # rank 0 runs this job with this world size: run it here too
+    if _CHILD_ENV in os.environ:  # started by rank 0 (not by the launcher, which starts every rank)
+        _child_store().get(_GO_KEY)  # rank 0 runs this job with this world size: run it here too
     try:
         with _execution_policy(launch["whitelist"]):
-            task_function(task_cfg)
+            _hand_back(value=task_function(task_cfg))
         exit_code = 0
-    except BaseException:  # noqa: BLE001 - the job's error, as Hydra prints it, to the child's log
+    except BaseException as error:  # noqa: BLE001 - the job's error, as Hydra prints it, to the child's log
         traceback.print_exc()
+        _hand_back(error=error)
         exit_code = 1
     # Exit now: at shutdown gloo's threads, of a group an FSDP module still holds, can abort the process.
     logging.shutdown()

@@ -1,18 +1,15 @@
 """The README's own code blocks, run as a user would paste them: the hydra-zen train.py as a file of
-its own, the DeepSpeed wrapper as Python; the YAML trainer config goes into the
+its own; the YAML trainer config goes into the
 lightning-hydra-template-shaped app's sweep (tests/test_template.py); and the example sweep, run with
 the command the README shows, prints what the README says it prints. A README that drifts from the
 code fails here."""
 
-import inspect
 import re
 import sys
 from pathlib import Path
 
 import pytest
 from helpers import app_env, builds_here, ok, run
-
-import hydra_fsdp
 
 README = Path(__file__).parent.parent / "README.md"
 EXAMPLE = README.parent / "example_sweep.py"
@@ -30,7 +27,7 @@ def blocks(language):
 
 
 def test_the_readme_has_the_blocks_this_file_runs():
-    assert len(blocks("yaml")) == 1 and len(blocks("python")) == 2
+    assert len(blocks("yaml")) == 1 and len(blocks("python")) == 1
     assert len(README.read_bytes()) <= 12_000, "the README stays under 12,000 bytes: the rest is in docs/"
 
 
@@ -47,18 +44,6 @@ def test_readme_hydra_zen_train_py_sweeps(tmp_path):
         assert "GLOBAL_RANK: 1" in log and "Traceback" not in log, log[-3000:]
         overrides = (tmp_path / "sweep" / job / ".hydra" / "overrides.yaml").read_text()
         assert f"trainer.max_epochs={int(job) + 1}" in overrides
-
-
-def test_readme_deepspeed_wrapper_defines_a_strategy():
-    """Only defined: DeepSpeed itself is not installed here."""
-    wrapper = next(block for block in blocks("python") if "DeepSpeedStrategy" in block)
-    scope = {}
-    exec(compile(wrapper, "README.md", "exec"), scope)  # noqa: S102 - the README's own code
-    strategy_class = scope["HydraDeepSpeed"]
-    assert issubclass(strategy_class, sys.modules["pytorch_lightning.strategies"].DeepSpeedStrategy)
-    assert (
-        inspect.getattr_static(strategy_class, "launcher") is hydra_fsdp._HydraStrategy.__dict__["launcher"]
-    )
 
 
 def test_example_sweep_prints_every_rank_and_one_loss_per_lr(tmp_path):

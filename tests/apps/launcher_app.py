@@ -1,0 +1,187 @@
+"""The app tests/test_launcher.py sweeps under ``hydra/launcher=hydra_fsdp``: a plain @hydra.main app, as
+torchrun would run it. Every rank writes what it saw to <job dir>/seen/rank<RANK>.json and rank 0 returns
+it; ``case`` picks what a job does:
+
+- ``plain``: train, with ``strategy``: "ddp" (Lightning's own), "hydra" (hydra_fsdp.HydraDDP), "hydra_fsdp"
+  (HydraFSDP), "fabric" (Fabric's own ddp) or "torch" (torch.distributed.init_process_group(), no Lightning);
+- ``double``: train after ``torch.set_default_dtype(torch.float64)``;
+- ``segfault``: rank 0 segfaults before training;
+- ``collective``: rank 1 raises while rank 0 waits for it in an all_reduce;
+- ``hang``: rank 1 sleeps while rank 0 waits for it in an all_reduce (for job_timeout, or a signal);
+- ``meet``: one rank per job, waiting for the other job's (``meet_in``): jobs at once, no training
+  (``accelerator=gpu``: on a GPU each).
+
+``+hydra.callbacks.record._target_=__main__.Record`` records, in the sweep's process, each job's end as
+Hydra's callbacks see it, with that process's own state, in <sweep dir>/jobs.jsonl.
+"""
+
+import ctypes
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import hydra
+import pytorch_lightning as pl
+import torch
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.utils import JobStatus
+from hydra.experimental.callback import Callback
+from lightning_fabric import Fabric
+
+import hydra_fsdp
+
+TASKS_RUN_HERE = 0  # in this process: the sweep's must stay at 0
+
+
+@dataclass
+class Config:
+    case: str = "plain"
+    strategy: str = "ddp"
+    lr: float = 0.1
+    devices: int = 2
+    accelerator: str = "cpu"
+    meet_in: str = ""
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self, lr):
+        super().__init__()
+        self.lr = lr
+        self.net = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    def train_dataloader(self):
+        x = torch.randn(32, 4, generator=torch.Generator().manual_seed(0)).to(torch.get_default_dtype())
+        return torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8
+        )
+
+
+def meet(cfg, rank):
+    """Wait, at most a minute, until the other job's rank is here too."""
+    Path(cfg.meet_in, str(HydraConfig.get().job.num)).touch()
+    deadline = time.monotonic() + 60
+    while len(os.listdir(cfg.meet_in)) < 2:
+        assert time.monotonic() < deadline, "the other job never ran at the same time as this one"
+        time.sleep(0.05)
+
+
+def train(cfg):
+    """Train with the strategy ``cfg.strategy`` names: what this rank saw of it."""
+    module = Tiny(cfg.lr)
+    if cfg.strategy == "torch":
+        torch.distributed.init_process_group("gloo")
+        ranks = torch.ones(1)
+        torch.distributed.all_reduce(ranks)
+        world, rank, strategy, device = int(ranks), torch.distributed.get_rank(), "init_process_group", "cpu"
+        torch.distributed.destroy_process_group()
+    elif cfg.strategy == "fabric":
+        fabric = Fabric(accelerator=cfg.accelerator, devices=cfg.devices, strategy="ddp")
+        fabric.launch()
+        model, optimizer = fabric.setup(module, module.configure_optimizers())
+        for x, y in fabric.setup_dataloaders(module.train_dataloader()):
+            fabric.backward(torch.nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+        world, rank, strategy, device = fabric.world_size, fabric.global_rank, "Fabric", str(fabric.device)
+    else:
+        strategies = {"hydra": hydra_fsdp.HydraDDP, "hydra_fsdp": hydra_fsdp.HydraFSDP}
+        trainer = pl.Trainer(
+            accelerator=cfg.accelerator,
+            devices=cfg.devices,
+            strategy=strategies[cfg.strategy]() if cfg.strategy in strategies else cfg.strategy,
+            max_epochs=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        if cfg.case != "meet":
+            trainer.fit(module)
+        world, rank, strategy = trainer.world_size, trainer.global_rank, type(trainer.strategy).__name__
+        device = str(trainer.strategy.root_device)
+    param_dtype = str(next(module.parameters()).dtype)
+    return {
+        "world": world,
+        "global_rank": rank,
+        "strategy": strategy,
+        "root_device": device,
+        "param_dtype": param_dtype,
+    }
+
+
+def task(cfg):
+    global TASKS_RUN_HERE
+    TASKS_RUN_HERE += 1
+    rank = int(os.environ["RANK"])
+    job_dir = Path(HydraConfig.get().runtime.output_dir)
+    if cfg.case == "segfault" and rank == 0:
+        ctypes.string_at(0)
+    if cfg.case == "double":
+        torch.set_default_dtype(torch.float64)
+    if cfg.case in ("collective", "hang"):
+        torch.distributed.init_process_group("gloo")
+        (job_dir / f"in_collective_rank{rank}").write_text(str(os.getpid()))
+        if rank == 1:
+            time.sleep(1 if cfg.case == "collective" else 10_000)
+            raise ValueError("injected on rank 1")
+        torch.distributed.all_reduce(torch.ones(1))  # waits for rank 1
+    if cfg.case == "meet":
+        meet(cfg, rank)
+    seen = dict(train(cfg), case=cfg.case, lr=cfg.lr, lr_type=type(cfg.lr).__name__)
+    seen.update(
+        env={key: os.environ.get(key) for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")},
+        pid=os.getpid(),
+        default_dtype=str(torch.get_default_dtype()),
+        tasks_run_here=TASKS_RUN_HERE,
+        affinity=sorted(os.sched_getaffinity(0)),
+        cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+    )
+    (job_dir / "seen").mkdir(exist_ok=True)
+    (job_dir / "seen" / f"rank{rank}.json").write_text(json.dumps(seen))
+    return seen
+
+
+class Record(Callback):
+    def on_job_start(self, config, **kwargs):
+        self.started = time.monotonic()
+
+    def on_job_end(self, config, job_return, **kwargs):
+        failed = job_return.status == JobStatus.FAILED
+        entry = {
+            "job": config.hydra.job.num,
+            "status": job_return.status.name,
+            "seconds": time.monotonic() - self.started,
+            "value": None if failed else job_return.return_value,
+            "error": f"{job_return._return_value!r}\n{getattr(job_return._return_value, '__notes__', '')}"
+            if failed
+            else None,
+            "sweep_pid": os.getpid(),
+            "process_group": torch.distributed.is_initialized(),
+            "default_dtype": str(torch.get_default_dtype()),
+            "cuda_initialized": torch.cuda.is_initialized(),
+            "tasks_run_here": TASKS_RUN_HERE,
+            "threads": sorted(thread.name for thread in threading.enumerate()),
+            "environ": dict(os.environ),
+        }
+        with open(Path(config.hydra.sweep.dir) / "jobs.jsonl", "a") as jobs:
+            jobs.write(json.dumps(entry) + "\n")
+
+
+ConfigStore.instance().store(name="config", node=Config)
+
+if __name__ == "__main__":
+    hydra.main(config_name="config", config_path=None, version_base="1.3")(task)()
