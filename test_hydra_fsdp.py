@@ -1046,20 +1046,22 @@ def test_ranks_that_cannot_start_with_their_job_say_why(caplog):
     assert "the launch file cannot be written" in caplog.text and "first" in caplog.text, caplog.text
 
 
+def inner():
+    raise ValueError("inner")
+
+
+def outer():  # a failed job's error: raised from another, each with a frame of its own
+    try:
+        inner()
+    except ValueError as error:
+        raise RuntimeError("outer") from error
+
+
 def test_a_failed_jobs_frames_are_shown_once_with_their_errors_when_they_are_let_go_of(capsys):
     """A failed job's frames are let go of at its end (they hold its module). What a user then sees, at
     the job's end and when Hydra prints the error at the sweep's end, shows each frame once and next to
     its error: in notes under the errors, or on Python 3.10, which has none, the whole chain at once."""
     import traceback
-
-    def inner():
-        raise ValueError("inner")
-
-    def outer():
-        try:
-            inner()
-        except ValueError as error:
-            raise RuntimeError("outer") from error
 
     try:
         outer()
@@ -1086,15 +1088,6 @@ def test_a_failed_jobs_frames_are_shown_once_by_the_hydra_installed():
     import traceback
 
     from hydra.core import utils
-
-    def inner():
-        raise ValueError("inner")
-
-    def outer():
-        try:
-            inner()
-        except ValueError as error:
-            raise RuntimeError("outer") from error
 
     job_return = utils.JobReturn(status=utils.JobStatus.FAILED, overrides=[])
     try:

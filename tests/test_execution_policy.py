@@ -1,6 +1,7 @@
 """Hydra 1.4's execution whitelist holds on every rank: a real sweep (2 jobs x 2 CPU ranks) of
-tests/apps/policy_app.py, whose ``@hydra.main(execution_whitelist=...)`` allows a target Hydra refuses by
-default and refuses one Hydra allows by default. Each rank must do what rank 0 did, as it records it."""
+tests/apps/typed_app/policy_app.py, whose ``@hydra.main(execution_whitelist=...)`` allows a target Hydra
+refuses by default and refuses one Hydra allows by default. Each rank must do what rank 0 did, as it
+records it."""
 
 import inspect
 import json
@@ -19,8 +20,8 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
-    app = tmp_path_factory.mktemp("policy")
-    shutil.copy(APPS / "policy_app.py", app)
+    app = tmp_path_factory.mktemp("policy") / "app"
+    shutil.copytree(APPS / "typed_app", app)
     command = [sys.executable, "policy_app.py", "-m", "hydra.sweep.dir=sweep", "lr=0.1,0.2"]
     return run(command, app, app_env()), app / "sweep"
 

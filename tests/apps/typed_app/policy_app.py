@@ -11,9 +11,9 @@ from pathlib import Path
 
 import hydra
 import pytorch_lightning as pl
-import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
+from typed_app import Tiny
 
 from hydra_fsdp import HydraDDP
 
@@ -21,21 +21,6 @@ PROBES = {
     "allowed": {"_target_": "os.chdir", "path": "."},
     "refused": {"_target_": "collections.OrderedDict"},
 }
-
-
-class Tiny(pl.LightningModule):
-    def __init__(self, lr):
-        super().__init__()
-        self.lr, self.net = lr, torch.nn.Linear(4, 1)
-
-    def training_step(self, batch, idx):
-        return self.net(batch).sum()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=self.lr)
-
-    def train_dataloader(self):
-        return torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=2)
 
 
 def outcome(probe):
@@ -62,7 +47,7 @@ def train(cfg):
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(Tiny(cfg.lr))
+    trainer.fit(Tiny(1, cfg.lr))
     return record
 
 
