@@ -10,12 +10,9 @@ import os
 from pathlib import Path
 
 import hydra
-import pytorch_lightning as pl
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
-from typed_app import Tiny
-
-from hydra_fsdp import HydraDDP
+from typed_app import fit
 
 PROBES = {
     "allowed": {"_target_": "os.chdir", "path": "."},
@@ -37,17 +34,7 @@ def train(cfg):
     seen.mkdir(exist_ok=True)
     record = {name: outcome(cfg.probes[name]) for name in PROBES}
     (seen / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "lr": cfg.lr, **record}))
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=HydraDDP(),
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(Tiny(1, cfg.lr))
+    fit(2, [], 1, cfg.lr)  # typed_app's: HydraDDP on 2 CPU ranks
     return record
 
 
