@@ -24,7 +24,10 @@ The sections follow one job, from rank 0's first look at it to a child rank's st
 6. *Every rank agrees*: the check, before each stage, that all ranks are about to run the same thing.
 7. *The strategies*: the version checks, what every strategy adds, HydraFSDP's and
    HydraModelParallel's own parts, and the public classes of both Lightning namespaces.
-8. *A child rank*: how a child rank runs the job, forked or started by hand (``python hydra_fsdp.py
+8. *The launcher: every rank a fresh process* (``hydra/launcher=hydra_fsdp``): the sweep's process runs
+   Hydra's job machinery only, and every rank of every job, rank 0 included, is a fork of the fork server
+   with torchrun's environment; the job's result is rank 0's.
+9. *A child rank*: how a child rank runs the job, forked or started by hand (``python hydra_fsdp.py
    <launch file>``).
 
 Private names of torch, Lightning and Hydra are used only where no public API does the job, and each is
@@ -2364,27 +2367,27 @@ class HydraFSDPLauncher(Launcher):
         """The task function run_job runs here: start the job's ranks, wait for them, return rank 0's."""
         hydra_job = dict(_hydra_job(), task_function=self.task_function)
         number, started = hydra_job["config"].hydra.job.num, time.monotonic()
-        with contextlib.ExitStack() as job:
-            children = _ChildRanks(Path(HydraConfig.get().runtime.output_dir), _sweep.said)
-            self.running.add(children)
-            job.callback(self.running.discard, children)
-            job.callback(children.end)
-            if self.stopped is not None:
-                children.stop(self.stopped)
-            failures = _start_ranks(job, children, hydra_job, self.rank_timeout)
-            with _stepped_out(outside, hydra_job, self.machinery):
-                settled = _wait_until(children.said, children.settled, self.job_timeout)
-            try:
+        try:
+            with contextlib.ExitStack() as job:
+                children = _ChildRanks(Path(HydraConfig.get().runtime.output_dir), _sweep.said)
+                self.running.add(children)
+                job.callback(self.running.discard, children)
+                job.callback(children.end)
+                if self.stopped is not None:
+                    children.stop(self.stopped)
+                failures = _start_ranks(job, children, hydra_job, self.rank_timeout)
+                with _stepped_out(outside, hydra_job, self.machinery):
+                    settled = _wait_until(children.said, children.settled, self.job_timeout)
                 returned = _outcome(children, failures, settled, self.job_timeout)
-            except BaseException as error:
-                self.ended[number] = (time.monotonic() - started, f"{type(error).__name__}: {error}")
-                log.error(f"hydra_fsdp: job #{number} failed after {self.ended[number][0]:.1f} s: {error}")
-                raise
-            self.ended[number] = (time.monotonic() - started, f"returned {returned!r}")
-            log.info(
-                f"hydra_fsdp: job #{number} completed in {self.ended[number][0]:.1f} s, returned {returned!r}"
-            )
-            return returned
+        except BaseException as error:  # its ranks ended, its devices let go of: say so
+            self.ended[number] = (time.monotonic() - started, f"{type(error).__name__}: {error}")
+            log.error(f"hydra_fsdp: job #{number} failed after {self.ended[number][0]:.1f} s: {error}")
+            raise
+        self.ended[number] = (time.monotonic() - started, f"returned {returned!r}")
+        log.info(
+            f"hydra_fsdp: job #{number} completed in {self.ended[number][0]:.1f} s, returned {returned!r}"
+        )
+        return returned
 
 
 def _start_ranks(
