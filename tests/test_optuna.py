@@ -14,11 +14,19 @@ import json
 import shutil
 
 import pytest
-from helpers import APPS, assert_ranks_agree, copy_app, records, run_side_by_side, start_sweep
+from helpers import (
+    APPS,
+    assert_ranks_agree,
+    copy_app,
+    records,
+    run_side_by_side,
+    start_sweep,
+    sweeper_or_skip,
+)
 from omegaconf import OmegaConf
 from shared import nothing_outlives
 
-pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="hydra-optuna-sweeper is not installed")
+sweeper_or_skip("hydra_plugins.hydra_optuna_sweeper", "pip install hydra-optuna-sweeper")
 
 LRS = (0.05, 0.1, 0.2, 0.4)  # a grid: each trial its own lr, whichever order the sampler takes them in
 FAILING_TRIAL = 1

@@ -17,11 +17,11 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import APPS, Run, app_env, records, wait_all
+from helpers import APPS, Run, app_env, records, sweeper_or_skip, wait_all
 from shared import case_overrides, nothing_outlives
 
-pytest.importorskip("ray", reason="pip install ray")
-pytest.importorskip("hydra_plugins.hydra_ray_launcher", reason="pip install hydra-ray-launcher")
+sweeper_or_skip("ray", "pip install ray")
+sweeper_or_skip("hydra_plugins.hydra_ray_launcher", "pip install hydra-ray-launcher")
 
 CORES = sorted(os.sched_getaffinity(0))[:2]  # the sweep runs on two cores, whatever the machine has
 if len(CORES) < 2:
