@@ -27,7 +27,7 @@ from shared import nothing_outlives
 from test_readme import EXAMPLE, REPORT
 
 LAUNCHER = ("hydra/launcher=hydra_fsdp", "+hydra.callbacks.record._target_=__main__.Record")
-FAULTS = ("segfault", "double", "plain", "collective", "after")  # the faults sweep's jobs, in order
+FAULTS = ("segfault", "double", "plain", "collective", "after", "rendezvous")  # the faults sweep's jobs, in order
 # the strategies sweep's, a job each (HydraFSDP where this Lightning runs it on the CPU); HydraDDP trains 2
 # more in the template's sweep, Lightning's own ddp 3 in the faults sweep
 STRATEGIES = {"hydra": "HydraDDP", "fabric": "Fabric", "torch": "init_process_group"}
@@ -119,6 +119,17 @@ def test_rank_1_raising_while_rank_0_waits_in_a_collective_fails_its_job_in_seco
     assert jobs(app)[4]["status"] == "COMPLETED" and sorted(seen(app, 4)) == [0, 1]
 
 
+def test_a_rank_killed_while_rank_0_waits_in_init_process_group_fails_its_job_in_seconds(sweeps):
+    """D4 of the strategies alone (docs/reliability.md): there rank 0 is the sweep's process and waits in
+    torch's C++ store until the group's timeout. Here every rank of the job ends as soon as one dies."""
+    app, _ = sweeps["faults"]
+    rendezvous = jobs(app)[5]
+    assert rendezvous["status"] == "FAILED"
+    for text in ("Rank 1 failed first", "SIGKILL", "rank_1.log"):
+        assert text in rendezvous["error"], rendezvous["error"]
+    assert rendezvous["seconds"] < FAULT_BOUND / 2, rendezvous  # not init_process_group's 30 minutes
+
+
 TRAINED_BY = [("faults", "DDPStrategy"), *(("strategies", name) for name in STRATEGIES.values())]
 
 
@@ -197,9 +208,9 @@ def test_a_trainer_asking_for_other_ranks_than_nproc_per_node_fails_at_once_nami
 
 def test_the_sweep_ends_with_a_summary_the_failed_jobs_first(sweeps):
     _, run = sweeps["faults"]
-    summary = run.text().split("hydra_fsdp: 5 job(s), 2 failed:")[1]
-    rows = [line.split()[0] for line in summary.splitlines()[1:6]]
-    assert rows == ["#0", "#3", "#1", "#2", "#4"], summary[:2000]
+    summary = run.text().split("hydra_fsdp: 6 job(s), 3 failed:")[1]
+    rows = [line.split()[0] for line in summary.splitlines()[1:7]]
+    assert rows == ["#0", "#3", "#5", "#1", "#2", "#4"], summary[:2000]
     assert "job #3 starts (case=collective): 2 rank(s)" in run.text()
 
 

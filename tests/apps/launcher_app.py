@@ -7,6 +7,8 @@ it; ``case`` picks what a job does:
 - ``double``: train after ``torch.set_default_dtype(torch.float64)``;
 - ``segfault``: rank 0 segfaults before training;
 - ``collective``: rank 1 raises while rank 0 waits for it in an all_reduce;
+- ``rendezvous``: rank 1 is killed (SIGKILL, as by the OOM killer) while rank 0 waits for it in
+  ``init_process_group``, where no process group exists yet to abort;
 - ``hang``: rank 1 sleeps while rank 0 waits for it in an all_reduce (for job_timeout, or a signal);
 - ``meet``: one rank per job, waiting for the other job's (``meet_in``): jobs at once, no training
   (``accelerator=gpu``: on a GPU each).
@@ -18,6 +20,7 @@ Hydra's callbacks see it, with that process's own state, in <sweep dir>/jobs.jso
 import ctypes
 import json
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -139,6 +142,11 @@ def task(cfg):
             time.sleep(1 if cfg.case == "collective" else 10_000)
             raise ValueError("injected on rank 1")
         torch.distributed.all_reduce(torch.ones(1))  # waits for rank 1
+    if cfg.case == "rendezvous":
+        if rank == 1:
+            time.sleep(1)  # rank 0 is in init_process_group by now, waiting for this rank
+            os.kill(os.getpid(), signal.SIGKILL)
+        torch.distributed.init_process_group("gloo")  # torch's default timeout: 30 minutes
     if cfg.case == "meet":
         meet(cfg, rank)
     seen = dict(train(cfg), case=cfg.case, lr=cfg.lr, lr_type=type(cfg.lr).__name__)
