@@ -34,6 +34,7 @@ LONGEST_FIRST = [
     "test_ecosystem",  # 39
     "test_checkpoints",  # 36
     "test_model_parallel",  # 35
+    "test_deepspeed",  # 24 to 34 (runs alone, at load average 1 to 6; where deepspeed is installed)
     "test_config_fidelity",  # 30
     "test_external",  # 27
     "test_abort",  # 18

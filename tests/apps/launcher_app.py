@@ -3,7 +3,8 @@ torchrun would run it. Every rank writes what it saw to <job dir>/seen/rank<RANK
 it; ``case`` picks what a job does:
 
 - ``plain``: train, with ``strategy``: "ddp" (Lightning's own), "hydra" (hydra_fsdp.HydraDDP), "hydra_fsdp"
-  (HydraFSDP), "fabric" (Fabric's own ddp) or "torch" (torch.distributed.init_process_group(), no Lightning);
+  (HydraFSDP), "fabric" (Fabric's own ddp), "torch" (torch.distributed.init_process_group(), no Lightning),
+  "deepspeed2" or "deepspeed3" (Lightning's DeepSpeedStrategy, ZeRO stage 2 or 3, on the CPU: CPUDeepSpeed);
 - ``double``: train after ``torch.set_default_dtype(torch.float64)``;
 - ``segfault``: rank 0 segfaults before training;
 - ``collective``: rank 1 raises while rank 0 waits for it in an all_reduce;
@@ -55,13 +56,16 @@ class Tiny(pl.LightningModule):
         super().__init__()
         self.lr = lr
         self.net = torch.nn.Linear(4, 1)
+        self.losses = []  # this rank's, step by step
 
     def forward(self, x):
         return self.net(x)
 
     def training_step(self, batch, idx):
         x, y = batch
-        return torch.nn.functional.mse_loss(self.net(x), y)
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.losses.append(loss.item())
+        return loss
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
@@ -71,6 +75,28 @@ class Tiny(pl.LightningModule):
         return torch.utils.data.DataLoader(
             torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8
         )
+
+
+def cpu_deepspeed(stage, devices):
+    """Lightning's DeepSpeedStrategy, ZeRO ``stage``, on the CPU (gloo), test-only: Lightning refuses a
+    non-CUDA accelerator by type in setup_environment (DDP's is taken instead) and wants indexed devices.
+    The engine, its optimizer and its communication are DeepSpeed's own."""
+    import deepspeed.ops
+    from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy
+
+    # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce (deepspeed_shm_comm, with g++: 76 s to
+    # 280 s on one core, then cached in ~/.cache/torch_extensions) as its first group starts, only for
+    # inference_all_reduce (AutoTP's layers in inference mode), which ZeRO never calls. Marked incompatible
+    # (DeepSpeed has no setting for it), it is not built, and every collective is torch's, gloo's.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+    class CPUDeepSpeed(DeepSpeedStrategy):
+        setup_environment = DDPStrategy.setup_environment
+
+    strategy = CPUDeepSpeed(stage=stage, parallel_devices=[torch.device("cpu", i) for i in range(devices)])
+    # ZeRO-3 keeps parameters under 100,000 values whole on every rank (DeepSpeed's default): partition all
+    strategy.config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    return strategy
 
 
 def meet(cfg, rank):
@@ -84,6 +110,9 @@ def meet(cfg, rank):
 
 def train(cfg):
     """Train with the strategy ``cfg.strategy`` names: what this rank saw of it."""
+    deepspeed = cfg.strategy.startswith("deepspeed")
+    if deepspeed:  # the same weights on every rank, for every stage (ZeRO-2 and ZeRO-3 compared)
+        torch.manual_seed(0)
     module = Tiny(cfg.lr)
     if cfg.strategy == "torch":
         torch.distributed.init_process_group("gloo")
@@ -102,11 +131,15 @@ def train(cfg):
         world, rank, strategy, device = fabric.world_size, fabric.global_rank, "Fabric", str(fabric.device)
     else:
         strategies = {"hydra": hydra_fsdp.HydraDDP, "hydra_fsdp": hydra_fsdp.HydraFSDP}
+        if deepspeed:
+            strategy = cpu_deepspeed(int(cfg.strategy[-1]), cfg.devices)
+        else:
+            strategy = strategies[cfg.strategy]() if cfg.strategy in strategies else cfg.strategy
         trainer = pl.Trainer(
             accelerator=cfg.accelerator,
             devices=cfg.devices,
-            strategy=strategies[cfg.strategy]() if cfg.strategy in strategies else cfg.strategy,
-            max_epochs=1,
+            strategy=strategy,
+            max_epochs=3 if deepspeed else 1,
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,
@@ -117,13 +150,26 @@ def train(cfg):
         world, rank, strategy = trainer.world_size, trainer.global_rank, type(trainer.strategy).__name__
         device = str(trainer.strategy.root_device)
     param_dtype = str(next(module.parameters()).dtype)
-    return {
+    seen = {
         "world": world,
         "global_rank": rank,
         "strategy": strategy,
         "root_device": device,
         "param_dtype": param_dtype,
+        "losses": module.losses,
     }
+    if deepspeed:
+        engine = trainer.strategy.deepspeed_engine
+        seen.update(
+            engine=type(engine).__name__,
+            optimizer=type(engine.optimizer).__name__,
+            zero_stage=engine.zero_optimization_stage(),
+            # what this rank holds of the weights outside a forward: all of them (ZeRO-2), none (ZeRO-3:
+            # its shard of each parameter is the parameter's ds_tensor)
+            local_numel=sum(p.numel() for p in module.parameters()),
+            shard_numel=sum(p.ds_tensor.numel() for p in module.parameters() if hasattr(p, "ds_tensor")),
+        )
+    return seen
 
 
 def task(cfg):
