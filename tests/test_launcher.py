@@ -27,7 +27,8 @@ from shared import nothing_outlives
 from test_readme import EXAMPLE, REPORT
 
 LAUNCHER = ("hydra/launcher=hydra_fsdp", "+hydra.callbacks.record._target_=__main__.Record")
-FAULTS = ("segfault", "double", "plain", "collective", "after", "rendezvous")  # the faults sweep's jobs, in order
+# the faults sweep's jobs, in order
+FAULTS = ("segfault", "double", "plain", "collective", "after", "rendezvous")
 # the strategies sweep's, a job each (HydraFSDP where this Lightning runs it on the CPU); HydraDDP trains 2
 # more in the template's sweep, Lightning's own ddp 3 in the faults sweep
 STRATEGIES = {"hydra": "HydraDDP", "fabric": "Fabric", "torch": "init_process_group"}
