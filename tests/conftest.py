@@ -18,31 +18,34 @@ def pytest_configure(config):
 
 
 # Under -n (pytest-xdist, --dist loadscope --no-loadscope-reorder) a free worker takes the next
-# module in this order: every module, the longest first (seconds in a worker on 2 cores, the mean of
-# two fresh clones' --durations=0), so that the short ones at the end even out when the two workers
-# finish. A module not named here runs last.
+# module in this order: every module, the longest first, so that the short ones at the end even out
+# when the two workers finish. The seconds: a module's sweeps (its fixture's setup) plus its slowest
+# tests, from one run of the README's command on 2 cores (2026-12-07: 946 s in all, 1666 s of CPU);
+# Ray's and Optuna's (run apart, where the sweepers extra is installed) from earlier runs. A module not
+# named here runs last.
 LONGEST_FIRST = [
-    "test_launcher",  # 159 on 2 cores busy with other work (its sweeps, 2 at a time)
-    "test_ray",  # 81 (one run, beside other work: load average 6 on the 2 cores; where Ray is installed)
-    "test_parallel_jobs",  # 70
-    "test_faults",  # 65
-    "test_fabric",  # 57
-    "test_long_sweeps",  # 49
-    "test_sweeps",  # 47
-    "test_slurm",  # 47 (where SLURM is installed)
-    "test_optuna",  # 45 (where hydra-optuna-sweeper is installed)
-    "test_ecosystem",  # 39
-    "test_checkpoints",  # 36
-    "test_model_parallel",  # 35
-    "test_deepspeed",  # 24 to 34 (runs alone, at load average 1 to 6; where deepspeed is installed)
-    "test_config_fidelity",  # 30
-    "test_external",  # 27
-    "test_abort",  # 18
-    "test_hydra_fsdp",  # 12
-    "test_readme",  # 11
-    "test_template",  # 8
-    "test_rank_command",  # 7
-    "test_teardown",  # 4
+    "test_parallel_jobs",  # 270 (247 of them the sweeps under joblib and submitit_local)
+    "test_launcher",  # 200
+    "test_faults",  # 200 (signals and faults, a sweep each)
+    "test_slurm",  # 180 (where SLURM is installed)
+    "test_fabric",  # 150
+    "test_checkpoints",  # 115
+    "test_long_sweeps",  # 110
+    "test_sweeps",  # 110
+    "test_ecosystem",  # 100
+    "test_model_parallel",  # 100
+    "test_ray",  # 81 (where Ray is installed)
+    "test_external",  # 90
+    "test_config_fidelity",  # 75
+    "test_optuna",  # 70 (where hydra-optuna-sweeper is installed)
+    "test_abort",  # 60
+    "test_deepspeed",  # 50 (where deepspeed is installed)
+    "test_hydra_fsdp",  # 40
+    "test_readme",  # 35
+    "test_template",  # 30
+    "test_rank_command",  # 30
+    "test_execution_policy",  # 20
+    "test_teardown",  # 10
 ]
 
 

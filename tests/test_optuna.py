@@ -1,12 +1,13 @@
 """Optuna: a trial whose child rank fails is told to the study as FAIL, and hydra-optuna-sweeper's
 ``max_failure_rate`` decides whether the study goes on.
 
-Two sweeps of the same 4 trials (2-rank HydraDDP jobs on the CPU), a grid over module.lr, run side
-by side: trial 1 (the second of the first batch, hydra.sweeper.n_jobs=2) fails on rank 1. The sweeper
-compares each batch's failures with max_failure_rate: 1 of 2 is 0.5, not above 0.5, so at 0.5 the
-study goes on to the second batch; at the default, 0.0, the sweep raises the failed job's error
-after the first batch. The study is read from its storage (tests/apps/recorded_study.py), each
-trial's job from what its ranks recorded and returned.
+Three sweeps of the same 4 trials (2-rank HydraDDP jobs on the CPU), a grid over module.lr, run two
+at a time, the third under hydra/launcher=hydra_fsdp (every rank a fresh process): trial 1 (the
+second of the first batch, hydra.sweeper.n_jobs=2) fails on rank 1. The sweeper compares each batch's
+failures with max_failure_rate: 1 of 2 is 0.5, not above 0.5, so at 0.5 the study goes on to the
+second batch; at the default, 0.0, the sweep raises the failed job's error after the first batch.
+The study is read from its storage (tests/apps/recorded_study.py), each trial's job from what its
+ranks recorded and returned.
 """
 
 import functools
@@ -31,11 +32,16 @@ sweeper_or_skip("hydra_plugins.hydra_optuna_sweeper", "pip install hydra-optuna-
 LRS = (0.05, 0.1, 0.2, 0.4)  # a grid: each trial its own lr, whichever order the sampler takes them in
 FAILING_TRIAL = 1
 RATES = {"0.5": ("hydra.sweeper.max_failure_rate=0.5",), "default": ()}
+# the same study as "0.5", every rank of every trial a process of its own (rank 0 too): the study receives
+# what each trial's rank 0 returned, through the launcher
+RATES["launcher"] = (*RATES["0.5"], "hydra/launcher=hydra_fsdp", "hydra.launcher.nproc_per_node=2")
+# how each names the failing trial's rank: the strategy, in the sweep's process; the launcher, from outside
+FAILED = {"0.5": "ChildRankError: Child rank 1 failed", "launcher": "ChildRankError: Rank 1 failed first"}
 
 
 @pytest.fixture(scope="module")
 def studies(tmp_path_factory):
-    """Both sweeps, run side by side: {rate: (app dir, run, the study's trials by number)}."""
+    """The sweeps, two at a time: {rate: (app dir, run, the study's trials by number)}."""
     apps, starts = {}, []
     for rate, overrides in RATES.items():
         app = apps[rate] = copy_app(tmp_path_factory.mktemp(f"optuna_{rate}"))
@@ -84,8 +90,9 @@ def assert_trained_and_returned(app, trial):
     assert trial["values"] == [values[0]] and values[1] == values[0], (trial, values)
 
 
-def test_a_failed_child_rank_fails_its_trial_and_the_study_goes_on(studies):
-    _, proc, trials = studies["0.5"]
+@pytest.mark.parametrize("study", FAILED)
+def test_a_failed_child_rank_fails_its_trial_and_the_study_goes_on(studies, study):
+    _, proc, trials = studies[study]
     assert proc.returncode == 0, proc.text()[-9000:]
     states = {number: trial["state"] for number, trial in trials.items()}
     assert states == {0: "COMPLETE", 1: "FAIL", 2: "COMPLETE", 3: "COMPLETE"}, states
@@ -93,24 +100,28 @@ def test_a_failed_child_rank_fails_its_trial_and_the_study_goes_on(studies):
     assert trials[FAILING_TRIAL]["values"] is None
 
 
+@pytest.mark.parametrize("study", FAILED)
 @pytest.mark.parametrize("number", [0, 2, 3])
-def test_every_other_trial_trained_on_both_ranks_and_reported_its_value(studies, number):
-    app, _, trials = studies["0.5"]
+def test_every_other_trial_trained_on_both_ranks_and_reported_its_value(studies, number, study):
+    app, _, trials = studies[study]
     assert_trained_and_returned(app, trials[number])
 
 
-def test_the_failed_trial_is_rank_1s_error_and_trained_nowhere(studies):
-    app, proc, _ = studies["0.5"]
+@pytest.mark.parametrize("study", FAILED)
+def test_the_failed_trial_is_rank_1s_error_and_trained_nowhere(studies, study):
+    app, proc, _ = studies[study]
     job_dir = app / "sweep" / str(FAILING_TRIAL)
     error = (job_dir / "error.txt").read_text()
-    assert "ChildRankError: Child rank 1 failed" in error and "injected failure on rank 1" in error, error
+    assert FAILED[study] in error and "injected failure on rank 1" in error, error
     assert not records(job_dir) and not (job_dir / "returned").exists()
     # the sweeper logs the failure and goes on
-    assert "Failed experiment: Child rank 1 failed" in proc.text(), proc.text()[-9000:]
+    failed = FAILED[study].split(": ", 1)[1]
+    assert f"Failed experiment: {failed}" in proc.text(), proc.text()[-9000:]
 
 
-def test_the_best_trial_is_the_best_value_a_rank_0_returned(studies):
-    app, _, trials = studies["0.5"]
+@pytest.mark.parametrize("study", FAILED)
+def test_the_best_trial_is_the_best_value_a_rank_0_returned(studies, study):
+    app, _, trials = studies[study]
     completed = [trial for trial in trials.values() if trial["state"] == "COMPLETE"]
     best = min(completed, key=lambda trial: trial["values"][0])
     results = OmegaConf.load(app / "sweep" / "optimization_results.yaml")
