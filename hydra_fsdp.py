@@ -470,14 +470,13 @@ class _ForkServer:
     def __init__(self, lightning: str, said: threading.Condition) -> None:
         env_set = HydraConfig.get().job.env_set  # the job's environment: the children's, not the server's
         env = {key: value for key, value in os.environ.items() if key not in env_set}
-        env.update(PYTHONUNBUFFERED="1", PYTORCH_NVML_BASED_CUDA_CHECK="1")
         self.imports = [lightning] + [name for name in ("hydra_zen",) if name in sys.modules]
         # Replies on a pipe of their own: the server's stdout, which its imports may print to, is stderr.
         # Requests to signal a child too: a signal's thread (send_signal) never writes amid a fork request.
         (replies, write_end), (read_end, signals) = os.pipe(), os.pipe()
         fds = [write_end, read_end]
         server = {"sys_path": sys.path, "module": __name__, "imports": self.imports, "fds": fds}
-        env[_SERVER_ENV] = json.dumps(server)
+        env.update({_SERVER_ENV: json.dumps(server)}, PYTHONUNBUFFERED="1", PYTORCH_NVML_BASED_CUDA_CHECK="1")
         self.proc = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__)],
             env=env,
@@ -953,9 +952,9 @@ class _Sweep(Callback):
         again), until a lookup of that port by its number drops it: the store is opened by its number,
         where init_process_group would otherwise start a second server (EADDRINUSE)."""
         while True:
-            free = torch.distributed.TCPStore(address, 0, is_master=True, wait_for_workers=False)
-            port = free.port
-            del free  # the port is free again, unless another process takes it: then another one
+            # a free port, free again as the store that found it goes (unless another process takes it: then
+            # another one)
+            port = torch.distributed.TCPStore(address, 0, is_master=True, wait_for_workers=False).port
             with contextlib.suppress(torch.distributed.DistNetworkError):
                 return torch.distributed.TCPStore(
                     address, port, is_master=True, multi_tenant=True, wait_for_workers=False
@@ -1141,10 +1140,7 @@ class _ChildRanks:
             self.procs[rank].send_signal(_STACK_DUMP_SIGNAL)
         time.sleep(_STACK_DUMP_WAIT)
         self.end()
-        _add_note(
-            error,
-            f"{why} they were ended:\n" + "\n".join(self.describe(rank) for rank in running),
-        )
+        _add_note(error, f"{why} they were ended:\n" + "\n".join(self.describe(rank) for rank in running))
 
     def failure(self, rank: int) -> ChildRankError:
         return ChildRankError(f"Child rank {rank} failed: {self.describe(rank)}")
@@ -1258,11 +1254,11 @@ class _Job:
     def wait_until_checked_in(self) -> None:
         """Wait until every child is about to join the process group; fail fast if one cannot."""
         keys = {rank: _CHECK_IN_KEY.format(rank) for rank in self.children.procs}
-        if not _wait_until(
-            self.children.said,
-            lambda: self.store.check(list(keys.values())) or len(self.children.running()) < len(keys),
-            self.spec.rank_timeout,
-        ):
+
+        def checked_in_or_exited() -> bool:  # one that exited: raise_if_any_exited below says which
+            return self.store.check(list(keys.values())) or len(self.children.running()) < len(keys)
+
+        if not _wait_until(self.children.said, checked_in_or_exited, self.spec.rank_timeout):
             late = [rank for rank, key in keys.items() if not self.store.check([key])]
             self.children.end()
             raise ChildRankError(
