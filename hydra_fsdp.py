@@ -1960,21 +1960,8 @@ class _HydraFSDP(_HydraStrategy):
                 )
             self.model.load_state_dict(checkpoint.pop("state_dict"), strict=strict)
             for optimizer, state in zip(self.optimizers, states or []):
-                self._load_optimizer(optimizer, self._keyed_by_name(state))
+                self._load_optimizer(optimizer, _keyed_by_name(state, self.model))
         return checkpoint
-
-    def _keyed_by_name(self, state: dict) -> dict:
-        """An optimizer state written without FSDP (by DDP) is keyed by position: key it by name.
-        torch leaves one without per-parameter entries (SGD without momentum) as it is."""
-        positions = [key for group in state["param_groups"] for key in group["params"]]
-        if not any(isinstance(key, int) for key in positions):
-            return state
-        fsdp = _fsdp()
-        entries = state["state"] or {key: {} for key in positions}
-        named = fsdp.FullyShardedDataParallel.rekey_optim_state_dict(
-            {**state, "state": entries}, fsdp.OptimStateKeyType.PARAM_NAME, self.model
-        )
-        return {**named, "state": named["state"] if state["state"] else {}}
 
     def _load_optimizer(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
         to_load = _fsdp().FullyShardedDataParallel.optim_state_dict_to_load
@@ -2012,6 +1999,21 @@ def _sharded(strategy: Any, model: torch.nn.Module, setup: Callable, kwargs: dic
     finally:
         if auto_wrap_policy is not None:
             kwargs["auto_wrap_policy"] = auto_wrap_policy
+
+
+def _keyed_by_name(state: dict, model: torch.nn.Module) -> dict:
+    """An optimizer state written without FSDP (by DDP) is keyed by position: key it by name, for ``model``
+    (HydraFSDP's wrapper, HydraModelParallel's module). torch leaves one without per-parameter entries (SGD
+    without momentum) as it is."""
+    positions = [key for group in state["param_groups"] for key in group["params"]]
+    if not any(isinstance(key, int) for key in positions):
+        return state
+    fsdp = _fsdp()
+    entries = state["state"] or {key: {} for key in positions}
+    named = fsdp.FullyShardedDataParallel.rekey_optim_state_dict(
+        {**state, "state": entries}, fsdp.OptimStateKeyType.PARAM_NAME, model
+    )
+    return {**named, "state": named["state"] if state["state"] else {}}
 
 
 def _metadata_file(checkpoint: Path) -> Path:
@@ -2127,16 +2129,14 @@ class _HydraModelParallel(_HydraStrategy):
             checkpoint = super().load_checkpoint(path, **kwargs)
         finally:
             self.optimizers = optimizers
-        fsdp, strict = _fsdp(), getattr(self.lightning_module, "strict_loading", True)
+        strict = getattr(self.lightning_module, "strict_loading", True)
         for optimizer, state in zip(optimizers, checkpoint["optimizer_states"]):
             if not state["state"]:  # nothing to reshard: torch's own load
                 optimizer.load_state_dict(state)
                 continue
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-            if isinstance(next(iter(state["state"])), int):  # keyed by position (as DDP saves it): by name
-                by_name = fsdp.OptimStateKeyType.PARAM_NAME
-                state = fsdp.FullyShardedDataParallel.rekey_optim_state_dict(state, by_name, self.model)
+            state = _keyed_by_name(state, self.model)  # keyed by position (as DDP saves it): by name
             options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state, options=options)
         return checkpoint
