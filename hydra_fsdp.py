@@ -682,19 +682,6 @@ def _run_forked(request: dict, lightning: str, server_fds: tuple, sigint: Any) -
 # -------------------- the devices a job holds
 
 
-class _Claim(NamedTuple):
-    """Devices of one kind a running job holds: their positions in the inventory it claimed them from, and
-    the open files whose locks hold them. Closing the files lets go of them, and so does the kernel when
-    the process ends, however it ends (SIGKILL included): a claim cannot outlive its job's rank 0."""
-
-    devices: list
-    files: list
-
-    def release(self) -> None:
-        for fd in self.files:
-            os.close(fd)
-
-
 def _claims_folder() -> Path | None:
     """Where this user's running jobs claim devices on this node (a folder only they can write to), or
     None where claiming is off."""
@@ -713,10 +700,12 @@ def _claims_folder() -> Path | None:
     return folder
 
 
-def _claim(folder: Path, kind: str, inventory: list, count: int) -> _Claim:
-    """``count`` devices of ``inventory`` (their names, of ``kind``) that no other running job holds.
-    One job claims at a time (the queue's lock), so that two jobs never each take part of what both need
-    and then wait for each other."""
+def _claim(folder: Path, kind: str, inventory: list, count: int, job: contextlib.ExitStack) -> list:
+    """``count`` devices of ``inventory`` (their names, of ``kind``) that no other running job holds: their
+    positions in it. The open files whose locks hold them are closed as ``job`` (the job's ExitStack)
+    closes, which lets go of them, and so does the kernel when the process ends, however it ends (SIGKILL
+    included): a claim cannot outlive its job's rank 0. One job claims at a time (the queue's lock), so
+    that two jobs never each take part of what both need and then wait for each other."""
     if count > len(inventory):
         raise RankLaunchError(
             f"This job asks for {count} {kind}s, and hydra_fsdp's jobs may use {len(inventory)} on this node"
@@ -727,10 +716,10 @@ def _claim(folder: Path, kind: str, inventory: list, count: int) -> _Claim:
         # Waits in the kernel, and a signal interrupts it; bounded by the claims of the jobs ahead, each
         # bounded by the lives of the devices' holders (the kernel lets go of a lock when its holder ends).
         fcntl.flock(queue, fcntl.LOCK_EX)
-        return _claim_in_turn(folder, kind, inventory, count)
+        return _claim_in_turn(folder, kind, inventory, count, job)
 
 
-def _claim_in_turn(folder: Path, kind: str, inventory: list, count: int) -> _Claim:
+def _claim_in_turn(folder: Path, kind: str, inventory: list, count: int, job: contextlib.ExitStack) -> list:
     """Each device is a file whose ``flock`` its holder keeps. Where too few are free, say once what the
     job waits for, and wait in the kernel, not by polling: a thread blocked on each busy device's lock.
     One that gets its lock after the claim is complete (or interrupted) lets go of it at once."""
@@ -762,7 +751,9 @@ def _claim_in_turn(folder: Path, kind: str, inventory: list, count: int) -> _Cla
             os.ftruncate(files[index], 0)
             os.pwrite(files[index], f"{os.getpid()}\n".encode(), 0)
         kept = chosen
-        return _Claim(kept, [files[index] for index in kept])
+        for index in kept:
+            job.callback(os.close, files[index])
+        return kept
     finally:
         with changed:
             done.append(True)
@@ -797,25 +788,25 @@ class _Placement(NamedTuple):
     threads: int
 
 
-def _placement(spec: "_LaunchSpec", claims: list) -> _Placement:
-    """Claim what the job runs on (each claim added to ``claims``). On CUDA, ``devices=N`` (Lightning's
-    cuda:0..N-1) becomes N GPUs no other running job holds, any other list of GPUs is used as given, and a
-    rank runs its GPU's share of the cores as threads. On the CPU the job claims its share of the cores
-    (``_cores_per_job``), split among its ranks. With claiming off, each job splits all cores among its
-    ranks, as Lightning's own launcher does."""
+def _placement(spec: "_LaunchSpec", job: contextlib.ExitStack) -> _Placement:
+    """Claim what the job runs on, held until ``job`` (the job's ExitStack) closes. On CUDA, ``devices=N``
+    (Lightning's cuda:0..N-1) becomes N GPUs no other running job holds, any other list of GPUs is used as
+    given, and a rank runs its GPU's share of the cores as threads. On the CPU the job claims its share of
+    the cores (``_cores_per_job``), split among its ranks. With claiming off, each job splits all cores
+    among its ranks, as Lightning's own launcher does."""
     cores, folder, world = sorted(os.sched_getaffinity(0)), _claims_folder(), spec.world_size
     unclaimed = _Placement(None, [None] * world, max(1, len(cores) // world))
     if spec.devices[0].type == "cuda":
         if folder is None or [device.index for device in spec.devices] != list(range(world)):
             return unclaimed
         inventory = _gpu_inventory()
-        claims.append(_claim(folder, "gpu", list(inventory.values()), world))
-        gpus = [list(inventory)[index] for index in claims[-1].devices]
+        claimed = _claim(folder, "gpu", list(inventory.values()), world, job)
+        gpus = [list(inventory)[index] for index in claimed]
         return _Placement(gpus, [None] * world, max(1, len(cores) // len(inventory)))
     if folder is None or spec.devices[0].type != "cpu":  # another accelerator: as Lightning has it
         return unclaimed
-    claims.append(_claim(folder, "cpu", [str(core) for core in cores], _cores_per_job(len(cores))))
-    held = [cores[index] for index in claims[-1].devices]
+    claimed = _claim(folder, "cpu", [str(core) for core in cores], _cores_per_job(len(cores)), job)
+    held = [cores[index] for index in claimed]
     share = len(held) // world  # none where the job has fewer cores than ranks: they share them
     return _Placement(
         None, [held[r * share : (r + 1) * share] if share else held for r in range(world)], max(1, share)
@@ -1212,9 +1203,7 @@ class _Job:
         # Rank 0 runs on the job's own cores and threads, and gets its own back after the job.
         self.closing.callback(torch.set_num_threads, torch.get_num_threads())
         self.closing.callback(_pin, os.sched_getaffinity(0))
-        claims: list = []
-        self.closing.callback(lambda: [claim.release() for claim in claims])
-        self.placement = _placement(self.spec, claims)
+        self.placement = _placement(self.spec, self.closing)
         if self.placement.cores[0] is not None:
             _pin(self.placement.cores[0])
         if not _users_threads():  # a user's value stands
@@ -2403,9 +2392,7 @@ def _start_ranks(
     devices = tuple(torch.device("cuda" if inventory else "cpu", rank) for rank in range(world))
     lightning = _NAMESPACES[_namespace_in_use()]
     spec = _LaunchSpec(world, devices, "127.0.0.1", lightning, rank_timeout, None, None)
-    claims: list = []
-    job.callback(lambda: [claim.release() for claim in claims])
-    placement = _placement(spec, claims)
+    placement = _placement(spec, job)
     job.callback((job_dir / _LAUNCH_FILE).unlink, missing_ok=True)
     _write_launch(job_dir / _LAUNCH_FILE, hydra_job, spec)
     env = _torchrun_env(world, config.hydra.job.num, placement, inventory)
