@@ -1118,12 +1118,9 @@ class _ChildRanks:
         failed = self.first_failed()
         return None if failed is None else self.failure(failed)
 
-    def end_saying_where_they_stood(
-        self,
-        error: BaseException | None,
-        why: str = "Rank 0 failed while these child ranks were still running;",
-    ) -> None:
-        """Have every running child dump its stack to its log, end them, and say so under ``error``."""
+    def end_saying_where_they_stood(self, error: BaseException | None, why: str) -> None:
+        """Have every running child dump its stack to its log, end them, and say so under ``error``, after
+        ``why``."""
         running = self.running()
         if not running:
             return
@@ -1273,7 +1270,8 @@ class _Job:
                 failure = self.children.failure(self.abort.for_rank)
                 failure.__cause__, error = error, failure
             else:  # rank 0's own error, or a collective that timed out on a child that hangs
-                self.children.end_saying_where_they_stood(error)
+                why = "Rank 0 failed while these child ranks were still running;"
+                self.children.end_saying_where_they_stood(error, why)
         self.children.end()
         self.abort.abort()
         self.error = error
