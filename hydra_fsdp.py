@@ -574,12 +574,11 @@ class _ForkServer:
         return None
 
 
-class _ForkedChild:
+class _ForkedChild(NamedTuple):
     """A child rank the fork server started: the part of ``Popen`` rank 0 uses."""
 
-    def __init__(self, server: _ForkServer, pid: int) -> None:
-        self.server = server
-        self.pid = pid
+    server: _ForkServer
+    pid: int
 
     def poll(self) -> int | None:
         return self.server.exit_codes.get(self.pid, -signal.SIGKILL if self.server.lost else None)
