@@ -807,9 +807,8 @@ def _placement(spec: "_LaunchSpec", job: contextlib.ExitStack) -> _Placement:
     claimed = _claim(folder, "cpu", [str(core) for core in cores], _cores_per_job(len(cores)), job)
     held = [cores[index] for index in claimed]
     share = len(held) // world  # none where the job has fewer cores than ranks: they share them
-    return _Placement(
-        None, [held[r * share : (r + 1) * share] if share else held for r in range(world)], max(1, share)
-    )
+    ranks_cores = [held[r * share : (r + 1) * share] if share else held for r in range(world)]
+    return _Placement(None, ranks_cores, max(1, share))
 
 
 def _gpu_inventory() -> dict:
