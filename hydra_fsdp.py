@@ -1391,10 +1391,9 @@ def _stage_for_children(trainer: Any, call: dict) -> dict:
     """The fallback: what children repeat of a stage rank 0 runs (Lightning resolves the checkpoint)."""
     datamodule_class = trainer.strategy._lightning.LightningDataModule
     data = [call.get(name) for name in ("train_dataloaders", "val_dataloaders", "dataloaders", "datamodule")]
-    ckpt_path = call.get("ckpt_path")
     return {
         "stage": trainer.state.fn.value,
-        "ckpt_path": None if ckpt_path is None else str(ckpt_path),
+        "ckpt_path": trainer.strategy._stage_ckpt_path,
         "datamodule": any(isinstance(value, datamodule_class) for value in data),
     }
 
@@ -1600,7 +1599,8 @@ class _HydraRankLauncher:
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         strategy = self.strategy
         call = inspect.signature(function).bind(*args, **kwargs).arguments
-        strategy._stage_ckpt_path = call.get("ckpt_path")  # for the ranks to compare
+        # for the ranks to compare, and for the fallback's children to repeat
+        strategy._stage_ckpt_path = None if call.get("ckpt_path") is None else str(call["ckpt_path"])
         env = strategy.cluster_environment
         hydra_job = _hydra_job()
         if hydra_job is not None and "ret" in hydra_job:  # a long-lived process of the sweep: not a child
@@ -1727,7 +1727,7 @@ def _what_this_rank_runs(strategy: "_HydraStrategy") -> dict:
         + (f" of {sum(p.numel() for p in module.parameters())} values" if full else " (sharded)")
         + f", shapes #{hashlib.sha1(repr(shapes).encode()).hexdigest()[:8]}",
         "datamodule": None if trainer.datamodule is None else type(trainer.datamodule).__qualname__,
-        "ckpt_path": None if strategy._stage_ckpt_path is None else str(strategy._stage_ckpt_path),
+        "ckpt_path": strategy._stage_ckpt_path,
         **seen,
     }
 
@@ -1833,7 +1833,7 @@ class _HydraStrategy:
         super().__init__(*args, **kwargs)
         self.rank_timeout = rank_timeout
         self._config_keys = config_keys
-        self._stage_ckpt_path: Any = None
+        self._stage_ckpt_path: str | None = None
         self._job_gpus: list | None = None  # the GPUs this rank's job holds, by rank (see _placement)
 
     @property
