@@ -2536,10 +2536,9 @@ def _run_child_rank(config_path: str) -> None:
             f"A child rank cannot make the job's config again: {error}. {_WHERE_CLASSES_GO}"
         ) from error
     _check_resolved_as_on_rank_0(task_cfg, launch["resolved"])
-    if launch["task"] is not None:
+    task_function = functools.partial(_run_config_contract, **launch["contract"])  # the fallback's
+    if launch["task"] is not None:  # the job's own, which rank 0 could pickle
         task_function = pickle.loads(launch["task"])
-    else:
-        task_function = functools.partial(_run_config_contract, **launch["contract"])
     _child_job = {"task_function": task_function, "task_cfg": task_cfg}  # what _hydra_job finds here
     if _CHILD_ENV in os.environ:  # started by rank 0 (not by the launcher, which starts every rank)
         _child_store().get(_GO_KEY)  # rank 0 runs this job with this world size: run it here too
