@@ -470,14 +470,13 @@ class _ForkServer:
     def __init__(self, lightning: str, said: threading.Condition) -> None:
         env_set = HydraConfig.get().job.env_set  # the job's environment: the children's, not the server's
         env = {key: value for key, value in os.environ.items() if key not in env_set}
-        env.update(PYTHONUNBUFFERED="1", PYTORCH_NVML_BASED_CUDA_CHECK="1")
         self.imports = [lightning] + [name for name in ("hydra_zen",) if name in sys.modules]
         # Replies on a pipe of their own: the server's stdout, which its imports may print to, is stderr.
         # Requests to signal a child too: a signal's thread (send_signal) never writes amid a fork request.
         (replies, write_end), (read_end, signals) = os.pipe(), os.pipe()
         fds = [write_end, read_end]
         server = {"sys_path": sys.path, "module": __name__, "imports": self.imports, "fds": fds}
-        env[_SERVER_ENV] = json.dumps(server)
+        env.update({_SERVER_ENV: json.dumps(server)}, PYTHONUNBUFFERED="1", PYTORCH_NVML_BASED_CUDA_CHECK="1")
         self.proc = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__)],
             env=env,
@@ -575,12 +574,11 @@ class _ForkServer:
         return None
 
 
-class _ForkedChild:
+class _ForkedChild(NamedTuple):
     """A child rank the fork server started: the part of ``Popen`` rank 0 uses."""
 
-    def __init__(self, server: _ForkServer, pid: int) -> None:
-        self.server = server
-        self.pid = pid
+    server: _ForkServer
+    pid: int
 
     def poll(self) -> int | None:
         return self.server.exit_codes.get(self.pid, -signal.SIGKILL if self.server.lost else None)
@@ -683,19 +681,6 @@ def _run_forked(request: dict, lightning: str, server_fds: tuple, sigint: Any) -
 # -------------------- the devices a job holds
 
 
-class _Claim(NamedTuple):
-    """Devices of one kind a running job holds: their positions in the inventory it claimed them from, and
-    the open files whose locks hold them. Closing the files lets go of them, and so does the kernel when
-    the process ends, however it ends (SIGKILL included): a claim cannot outlive its job's rank 0."""
-
-    devices: list
-    files: list
-
-    def release(self) -> None:
-        for fd in self.files:
-            os.close(fd)
-
-
 def _claims_folder() -> Path | None:
     """Where this user's running jobs claim devices on this node (a folder only they can write to), or
     None where claiming is off."""
@@ -714,10 +699,12 @@ def _claims_folder() -> Path | None:
     return folder
 
 
-def _claim(folder: Path, kind: str, inventory: list, count: int) -> _Claim:
-    """``count`` devices of ``inventory`` (their names, of ``kind``) that no other running job holds.
-    One job claims at a time (the queue's lock), so that two jobs never each take part of what both need
-    and then wait for each other."""
+def _claim(folder: Path, kind: str, inventory: list, count: int, job: contextlib.ExitStack) -> list:
+    """``count`` devices of ``inventory`` (their names, of ``kind``) that no other running job holds: their
+    positions in it. The open files whose locks hold them are closed as ``job`` (the job's ExitStack)
+    closes, which lets go of them, and so does the kernel when the process ends, however it ends (SIGKILL
+    included): a claim cannot outlive its job's rank 0. One job claims at a time (the queue's lock), so
+    that two jobs never each take part of what both need and then wait for each other."""
     if count > len(inventory):
         raise RankLaunchError(
             f"This job asks for {count} {kind}s, and hydra_fsdp's jobs may use {len(inventory)} on this node"
@@ -728,10 +715,10 @@ def _claim(folder: Path, kind: str, inventory: list, count: int) -> _Claim:
         # Waits in the kernel, and a signal interrupts it; bounded by the claims of the jobs ahead, each
         # bounded by the lives of the devices' holders (the kernel lets go of a lock when its holder ends).
         fcntl.flock(queue, fcntl.LOCK_EX)
-        return _claim_in_turn(folder, kind, inventory, count)
+        return _claim_in_turn(folder, kind, inventory, count, job)
 
 
-def _claim_in_turn(folder: Path, kind: str, inventory: list, count: int) -> _Claim:
+def _claim_in_turn(folder: Path, kind: str, inventory: list, count: int, job: contextlib.ExitStack) -> list:
     """Each device is a file whose ``flock`` its holder keeps. Where too few are free, say once what the
     job waits for, and wait in the kernel, not by polling: a thread blocked on each busy device's lock.
     One that gets its lock after the claim is complete (or interrupted) lets go of it at once."""
@@ -763,7 +750,9 @@ def _claim_in_turn(folder: Path, kind: str, inventory: list, count: int) -> _Cla
             os.ftruncate(files[index], 0)
             os.pwrite(files[index], f"{os.getpid()}\n".encode(), 0)
         kept = chosen
-        return _Claim(kept, [files[index] for index in kept])
+        for index in kept:
+            job.callback(os.close, files[index])
+        return kept
     finally:
         with changed:
             done.append(True)
@@ -798,29 +787,28 @@ class _Placement(NamedTuple):
     threads: int
 
 
-def _placement(spec: "_LaunchSpec", claims: list) -> _Placement:
-    """Claim what the job runs on (each claim added to ``claims``). On CUDA, ``devices=N`` (Lightning's
-    cuda:0..N-1) becomes N GPUs no other running job holds, any other list of GPUs is used as given, and a
-    rank runs its GPU's share of the cores as threads. On the CPU the job claims its share of the cores
-    (``_cores_per_job``), split among its ranks. With claiming off, each job splits all cores among its
-    ranks, as Lightning's own launcher does."""
+def _placement(spec: "_LaunchSpec", job: contextlib.ExitStack) -> _Placement:
+    """Claim what the job runs on, held until ``job`` (the job's ExitStack) closes. On CUDA, ``devices=N``
+    (Lightning's cuda:0..N-1) becomes N GPUs no other running job holds, any other list of GPUs is used as
+    given, and a rank runs its GPU's share of the cores as threads. On the CPU the job claims its share of
+    the cores (``_cores_per_job``), split among its ranks. With claiming off, each job splits all cores
+    among its ranks, as Lightning's own launcher does."""
     cores, folder, world = sorted(os.sched_getaffinity(0)), _claims_folder(), spec.world_size
     unclaimed = _Placement(None, [None] * world, max(1, len(cores) // world))
     if spec.devices[0].type == "cuda":
         if folder is None or [device.index for device in spec.devices] != list(range(world)):
             return unclaimed
         inventory = _gpu_inventory()
-        claims.append(_claim(folder, "gpu", list(inventory.values()), world))
-        gpus = [list(inventory)[index] for index in claims[-1].devices]
+        claimed = _claim(folder, "gpu", list(inventory.values()), world, job)
+        gpus = [list(inventory)[index] for index in claimed]
         return _Placement(gpus, [None] * world, max(1, len(cores) // len(inventory)))
     if folder is None or spec.devices[0].type != "cpu":  # another accelerator: as Lightning has it
         return unclaimed
-    claims.append(_claim(folder, "cpu", [str(core) for core in cores], _cores_per_job(len(cores))))
-    held = [cores[index] for index in claims[-1].devices]
+    claimed = _claim(folder, "cpu", [str(core) for core in cores], _cores_per_job(len(cores)), job)
+    held = [cores[index] for index in claimed]
     share = len(held) // world  # none where the job has fewer cores than ranks: they share them
-    return _Placement(
-        None, [held[r * share : (r + 1) * share] if share else held for r in range(world)], max(1, share)
-    )
+    ranks_cores = [held[r * share : (r + 1) * share] if share else held for r in range(world)]
+    return _Placement(None, ranks_cores, max(1, share))
 
 
 def _gpu_inventory() -> dict:
@@ -953,9 +941,9 @@ class _Sweep(Callback):
         again), until a lookup of that port by its number drops it: the store is opened by its number,
         where init_process_group would otherwise start a second server (EADDRINUSE)."""
         while True:
-            free = torch.distributed.TCPStore(address, 0, is_master=True, wait_for_workers=False)
-            port = free.port
-            del free  # the port is free again, unless another process takes it: then another one
+            # a free port, free again as the store that found it goes (unless another process takes it: then
+            # another one)
+            port = torch.distributed.TCPStore(address, 0, is_master=True, wait_for_workers=False).port
             with contextlib.suppress(torch.distributed.DistNetworkError):
                 return torch.distributed.TCPStore(
                     address, port, is_master=True, multi_tenant=True, wait_for_workers=False
@@ -1128,12 +1116,9 @@ class _ChildRanks:
         failed = self.first_failed()
         return None if failed is None else self.failure(failed)
 
-    def end_saying_where_they_stood(
-        self,
-        error: BaseException | None,
-        why: str = "Rank 0 failed while these child ranks were still running;",
-    ) -> None:
-        """Have every running child dump its stack to its log, end them, and say so under ``error``."""
+    def end_saying_where_they_stood(self, error: BaseException | None, why: str) -> None:
+        """Have every running child dump its stack to its log, end them, and say so under ``error``, after
+        ``why``."""
         running = self.running()
         if not running:
             return
@@ -1141,10 +1126,7 @@ class _ChildRanks:
             self.procs[rank].send_signal(_STACK_DUMP_SIGNAL)
         time.sleep(_STACK_DUMP_WAIT)
         self.end()
-        _add_note(
-            error,
-            f"{why} they were ended:\n" + "\n".join(self.describe(rank) for rank in running),
-        )
+        _add_note(error, f"{why} they were ended:\n" + "\n".join(self.describe(rank) for rank in running))
 
     def failure(self, rank: int) -> ChildRankError:
         return ChildRankError(f"Child rank {rank} failed: {self.describe(rank)}")
@@ -1216,9 +1198,7 @@ class _Job:
         # Rank 0 runs on the job's own cores and threads, and gets its own back after the job.
         self.closing.callback(torch.set_num_threads, torch.get_num_threads())
         self.closing.callback(_pin, os.sched_getaffinity(0))
-        claims: list = []
-        self.closing.callback(lambda: [claim.release() for claim in claims])
-        self.placement = _placement(self.spec, claims)
+        self.placement = _placement(self.spec, self.closing)
         if self.placement.cores[0] is not None:
             _pin(self.placement.cores[0])
         if not _users_threads():  # a user's value stands
@@ -1258,11 +1238,11 @@ class _Job:
     def wait_until_checked_in(self) -> None:
         """Wait until every child is about to join the process group; fail fast if one cannot."""
         keys = {rank: _CHECK_IN_KEY.format(rank) for rank in self.children.procs}
-        if not _wait_until(
-            self.children.said,
-            lambda: self.store.check(list(keys.values())) or len(self.children.running()) < len(keys),
-            self.spec.rank_timeout,
-        ):
+
+        def checked_in_or_exited() -> bool:  # one that exited: raise_if_any_exited below says which
+            return self.store.check(list(keys.values())) or len(self.children.running()) < len(keys)
+
+        if not _wait_until(self.children.said, checked_in_or_exited, self.spec.rank_timeout):
             late = [rank for rank, key in keys.items() if not self.store.check([key])]
             self.children.end()
             raise ChildRankError(
@@ -1288,7 +1268,8 @@ class _Job:
                 failure = self.children.failure(self.abort.for_rank)
                 failure.__cause__, error = error, failure
             else:  # rank 0's own error, or a collective that timed out on a child that hangs
-                self.children.end_saying_where_they_stood(error)
+                why = "Rank 0 failed while these child ranks were still running;"
+                self.children.end_saying_where_they_stood(error, why)
         self.children.end()
         self.abort.abort()
         self.error = error
@@ -1344,16 +1325,12 @@ class _SignalWatch:
     C handler writes the signal to the wakeup fd at once. This thread reads it and ends the children."""
 
     watching: "_SignalWatch | None" = None  # the one running, which a fork of rank 0 drops (in_a_fork)
-    forks_drop_it = False  # os.register_at_fork's hook, registered by the first watch: it stays
 
     def __init__(self, on_signal: Callable[[int], None]) -> None:
         self.thread: threading.Thread | None = None
         self.sigterm_was = None
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers and the wakeup fd belong to the main thread
-        if not _SignalWatch.forks_drop_it:
-            os.register_at_fork(after_in_child=_SignalWatch.in_a_fork)
-            _SignalWatch.forks_drop_it = True
         read_fd, self.write_fd = os.pipe()
         os.set_blocking(self.write_fd, False)
         previous_fd = signal.set_wakeup_fd(self.write_fd, warn_on_full_buffer=False)
@@ -1405,14 +1382,18 @@ class _SignalWatch:
         self.thread = None
 
 
+# Registered once, as the module is imported (after threading's own, which runs first in a fork): a fork
+# made while no watch runs finds none to drop.
+os.register_at_fork(after_in_child=_SignalWatch.in_a_fork)
+
+
 def _stage_for_children(trainer: Any, call: dict) -> dict:
     """The fallback: what children repeat of a stage rank 0 runs (Lightning resolves the checkpoint)."""
     datamodule_class = trainer.strategy._lightning.LightningDataModule
     data = [call.get(name) for name in ("train_dataloaders", "val_dataloaders", "dataloaders", "datamodule")]
-    ckpt_path = call.get("ckpt_path")
     return {
         "stage": trainer.state.fn.value,
-        "ckpt_path": None if ckpt_path is None else str(ckpt_path),
+        "ckpt_path": trainer.strategy._stage_ckpt_path,
         "datamodule": any(isinstance(value, datamodule_class) for value in data),
     }
 
@@ -1618,7 +1599,8 @@ class _HydraRankLauncher:
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         strategy = self.strategy
         call = inspect.signature(function).bind(*args, **kwargs).arguments
-        strategy._stage_ckpt_path = call.get("ckpt_path")  # for the ranks to compare
+        # for the ranks to compare, and for the fallback's children to repeat
+        strategy._stage_ckpt_path = None if call.get("ckpt_path") is None else str(call["ckpt_path"])
         env = strategy.cluster_environment
         hydra_job = _hydra_job()
         if hydra_job is not None and "ret" in hydra_job:  # a long-lived process of the sweep: not a child
@@ -1745,7 +1727,7 @@ def _what_this_rank_runs(strategy: "_HydraStrategy") -> dict:
         + (f" of {sum(p.numel() for p in module.parameters())} values" if full else " (sharded)")
         + f", shapes #{hashlib.sha1(repr(shapes).encode()).hexdigest()[:8]}",
         "datamodule": None if trainer.datamodule is None else type(trainer.datamodule).__qualname__,
-        "ckpt_path": None if strategy._stage_ckpt_path is None else str(strategy._stage_ckpt_path),
+        "ckpt_path": strategy._stage_ckpt_path,
         **seen,
     }
 
@@ -1851,7 +1833,7 @@ class _HydraStrategy:
         super().__init__(*args, **kwargs)
         self.rank_timeout = rank_timeout
         self._config_keys = config_keys
-        self._stage_ckpt_path: Any = None
+        self._stage_ckpt_path: str | None = None
         self._job_gpus: list | None = None  # the GPUs this rank's job holds, by rank (see _placement)
 
     @property
@@ -1964,21 +1946,8 @@ class _HydraFSDP(_HydraStrategy):
                 )
             self.model.load_state_dict(checkpoint.pop("state_dict"), strict=strict)
             for optimizer, state in zip(self.optimizers, states or []):
-                self._load_optimizer(optimizer, self._keyed_by_name(state))
+                self._load_optimizer(optimizer, _keyed_by_name(state, self.model))
         return checkpoint
-
-    def _keyed_by_name(self, state: dict) -> dict:
-        """An optimizer state written without FSDP (by DDP) is keyed by position: key it by name.
-        torch leaves one without per-parameter entries (SGD without momentum) as it is."""
-        positions = [key for group in state["param_groups"] for key in group["params"]]
-        if not any(isinstance(key, int) for key in positions):
-            return state
-        fsdp = _fsdp()
-        entries = state["state"] or {key: {} for key in positions}
-        named = fsdp.FullyShardedDataParallel.rekey_optim_state_dict(
-            {**state, "state": entries}, fsdp.OptimStateKeyType.PARAM_NAME, self.model
-        )
-        return {**named, "state": named["state"] if state["state"] else {}}
 
     def _load_optimizer(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
         to_load = _fsdp().FullyShardedDataParallel.optim_state_dict_to_load
@@ -2016,6 +1985,21 @@ def _sharded(strategy: Any, model: torch.nn.Module, setup: Callable, kwargs: dic
     finally:
         if auto_wrap_policy is not None:
             kwargs["auto_wrap_policy"] = auto_wrap_policy
+
+
+def _keyed_by_name(state: dict, model: torch.nn.Module) -> dict:
+    """An optimizer state written without FSDP (by DDP) is keyed by position: key it by name, for ``model``
+    (HydraFSDP's wrapper, HydraModelParallel's module). torch leaves one without per-parameter entries (SGD
+    without momentum) as it is."""
+    positions = [key for group in state["param_groups"] for key in group["params"]]
+    if not any(isinstance(key, int) for key in positions):
+        return state
+    fsdp = _fsdp()
+    entries = state["state"] or {key: {} for key in positions}
+    named = fsdp.FullyShardedDataParallel.rekey_optim_state_dict(
+        {**state, "state": entries}, fsdp.OptimStateKeyType.PARAM_NAME, model
+    )
+    return {**named, "state": named["state"] if state["state"] else {}}
 
 
 def _metadata_file(checkpoint: Path) -> Path:
@@ -2131,16 +2115,14 @@ class _HydraModelParallel(_HydraStrategy):
             checkpoint = super().load_checkpoint(path, **kwargs)
         finally:
             self.optimizers = optimizers
-        fsdp, strict = _fsdp(), getattr(self.lightning_module, "strict_loading", True)
+        strict = getattr(self.lightning_module, "strict_loading", True)
         for optimizer, state in zip(optimizers, checkpoint["optimizer_states"]):
             if not state["state"]:  # nothing to reshard: torch's own load
                 optimizer.load_state_dict(state)
                 continue
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-            if isinstance(next(iter(state["state"])), int):  # keyed by position (as DDP saves it): by name
-                by_name = fsdp.OptimStateKeyType.PARAM_NAME
-                state = fsdp.FullyShardedDataParallel.rekey_optim_state_dict(state, by_name, self.model)
+            state = _keyed_by_name(state, self.model)  # keyed by position (as DDP saves it): by name
             options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state, options=options)
         return checkpoint
@@ -2406,9 +2388,7 @@ def _start_ranks(
     devices = tuple(torch.device("cuda" if inventory else "cpu", rank) for rank in range(world))
     lightning = _NAMESPACES[_namespace_in_use()]
     spec = _LaunchSpec(world, devices, "127.0.0.1", lightning, rank_timeout, None, None)
-    claims: list = []
-    job.callback(lambda: [claim.release() for claim in claims])
-    placement = _placement(spec, claims)
+    placement = _placement(spec, job)
     job.callback((job_dir / _LAUNCH_FILE).unlink, missing_ok=True)
     _write_launch(job_dir / _LAUNCH_FILE, hydra_job, spec)
     env = _torchrun_env(world, config.hydra.job.num, placement, inventory)
@@ -2556,10 +2536,9 @@ def _run_child_rank(config_path: str) -> None:
             f"A child rank cannot make the job's config again: {error}. {_WHERE_CLASSES_GO}"
         ) from error
     _check_resolved_as_on_rank_0(task_cfg, launch["resolved"])
-    if launch["task"] is not None:
+    task_function = functools.partial(_run_config_contract, **launch["contract"])  # the fallback's
+    if launch["task"] is not None:  # the job's own, which rank 0 could pickle
         task_function = pickle.loads(launch["task"])
-    else:
-        task_function = functools.partial(_run_config_contract, **launch["contract"])
     _child_job = {"task_function": task_function, "task_cfg": task_cfg}  # what _hydra_job finds here
     if _CHILD_ENV in os.environ:  # started by rank 0 (not by the launcher, which starts every rank)
         _child_store().get(_GO_KEY)  # rank 0 runs this job with this world size: run it here too

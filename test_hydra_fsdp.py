@@ -1290,18 +1290,16 @@ def cuda_spec(*indexes):
 def test_devices_n_on_cuda_becomes_gpus_no_other_running_job_holds(tmp_path, monkeypatch):
     monkeypatch.setenv("HYDRA_FSDP_CLAIMS", str(tmp_path))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    claims = []
-    first = hydra_fsdp._placement(cuda_spec(0, 1), claims)
-    second = hydra_fsdp._placement(cuda_spec(0, 1), claims)
-    assert (first.gpus, second.gpus) == ([0, 1], [2, 3])
-    assert first.threads == max(1, len(CORES) // 4) and first.cores == [None, None]
-    assert hydra_fsdp._placement(cuda_spec(2, 3), claims).gpus is None, "a list is used as given"
-    with pytest.raises(RankLaunchError, match="asks for 5 gpus, and hydra_fsdp's jobs may use 4"):
-        hydra_fsdp._placement(cuda_spec(0, 1, 2, 3, 4), claims)
-    claims.pop(0).release()  # the first job ended
-    assert hydra_fsdp._placement(cuda_spec(0, 1), claims).gpus == [0, 1]
-    for claim in claims:
-        claim.release()
+    with contextlib.ExitStack() as first_job, contextlib.ExitStack() as later_jobs:
+        first = hydra_fsdp._placement(cuda_spec(0, 1), first_job)
+        second = hydra_fsdp._placement(cuda_spec(0, 1), later_jobs)
+        assert (first.gpus, second.gpus) == ([0, 1], [2, 3])
+        assert first.threads == max(1, len(CORES) // 4) and first.cores == [None, None]
+        assert hydra_fsdp._placement(cuda_spec(2, 3), later_jobs).gpus is None, "a list is used as given"
+        with pytest.raises(RankLaunchError, match="asks for 5 gpus, and hydra_fsdp's jobs may use 4"):
+            hydra_fsdp._placement(cuda_spec(0, 1, 2, 3, 4), later_jobs)
+        first_job.close()  # the first job ended
+        assert hydra_fsdp._placement(cuda_spec(0, 1), later_jobs).gpus == [0, 1]
 
 
 @pytest.mark.parametrize("raises_in", ["taking the locks", "writing the claim"])
@@ -1316,7 +1314,7 @@ def test_a_claim_that_raises_anywhere_lets_go_of_every_device(tmp_path, monkeypa
         monkeypatch.setattr(os, "pwrite", mock.Mock(side_effect=OSError(28, "No space left on device")))
     open_before = set(os.listdir("/proc/self/fd"))
     with pytest.raises((RuntimeError, OSError)):
-        hydra_fsdp._claim(tmp_path, "gpu", ["0", "1", "2", "3"], 2)
+        hydra_fsdp._claim(tmp_path, "gpu", ["0", "1", "2", "3"], 2, contextlib.ExitStack())
     still_open = set(os.listdir("/proc/self/fd")) - open_before
     assert not still_open, f"the claim's files are still open (fds {sorted(still_open)})"
     for name in "0123":
@@ -1329,15 +1327,14 @@ def test_the_gpus_a_sweep_may_claim_and_their_names_across_processes(tmp_path, m
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
     monkeypatch.setenv("HYDRA_FSDP_GPUS", "1,3")
-    claims = []
-    assert hydra_fsdp._placement(cuda_spec(0, 1), claims).gpus == [1, 3]
-    assert sorted(path.name for path in tmp_path.glob("*.lock")) == ["gpu5.lock", "gpu7.lock"]
-    assert (tmp_path / "gpu5.lock").read_text() == f"{os.getpid()}\n"  # for a waiter to name
-    claims.pop().release()
+    with contextlib.ExitStack() as job:
+        assert hydra_fsdp._placement(cuda_spec(0, 1), job).gpus == [1, 3]
+        assert sorted(path.name for path in tmp_path.glob("*.lock")) == ["gpu5.lock", "gpu7.lock"]
+        assert (tmp_path / "gpu5.lock").read_text() == f"{os.getpid()}\n"  # for a waiter to name
     for wrong in ("1,4", "-1,0", "a,b"):
         monkeypatch.setenv("HYDRA_FSDP_GPUS", wrong)
         with pytest.raises(RankLaunchError, match=rf"HYDRA_FSDP_GPUS='{wrong}': .* below the 4 torch sees"):
-            hydra_fsdp._placement(cuda_spec(0, 1), claims)
+            hydra_fsdp._placement(cuda_spec(0, 1), contextlib.ExitStack())
 
 
 def test_every_rank_of_a_job_runs_on_the_gpus_it_holds():

@@ -7,6 +7,7 @@ of their own, on CUDA on GPUs of their own, claimed through files a held ``flock
 (hydra_fsdp._claim), which the kernel lets go of when the holder dies.
 """
 
+import contextlib
 import functools
 import json
 import os
@@ -220,17 +221,16 @@ def test_two_sweeps_whose_jobs_need_every_core_run_their_jobs_one_at_a_time(swee
 # -------------------- claims, between real processes
 
 CLAIMER = """
-import json, sys
+import contextlib, json, sys
 from pathlib import Path
 import hydra_fsdp
 folder, count, rounds = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 for round in range(rounds):
     if round:
         sys.stdin.readline()  # a new job of this process: claims when told to
-    claim = hydra_fsdp._claim(folder, "gpu", ["0", "1", "2", "3"], count)
-    print(json.dumps(claim.devices), flush=True)
-    sys.stdin.readline()  # holds its claim until told to let go
-    claim.release()
+    with contextlib.ExitStack() as job:  # its end lets go of the claim
+        print(json.dumps(hydra_fsdp._claim(folder, "gpu", ["0", "1", "2", "3"], count, job)), flush=True)
+        sys.stdin.readline()  # holds its claim until told to let go
 """
 
 
@@ -321,7 +321,7 @@ def test_asking_for_more_than_the_node_has_fails_at_once(tmp_path):
 
     started = time.monotonic()
     with pytest.raises(hydra_fsdp.RankLaunchError, match="asks for 5 gpus.* may use 4 on this node"):
-        hydra_fsdp._claim(tmp_path, "gpu", ["0", "1", "2", "3"], 5)
+        hydra_fsdp._claim(tmp_path, "gpu", ["0", "1", "2", "3"], 5, contextlib.ExitStack())
     assert time.monotonic() - started < 1.0
 
 
