@@ -1325,12 +1325,16 @@ class _SignalWatch:
     C handler writes the signal to the wakeup fd at once. This thread reads it and ends the children."""
 
     watching: "_SignalWatch | None" = None  # the one running, which a fork of rank 0 drops (in_a_fork)
+    forks_drop_it = False  # os.register_at_fork's hook, registered by the first watch: it stays
 
     def __init__(self, on_signal: Callable[[int], None]) -> None:
         self.thread: threading.Thread | None = None
         self.sigterm_was = None
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers and the wakeup fd belong to the main thread
+        if not _SignalWatch.forks_drop_it:
+            os.register_at_fork(after_in_child=_SignalWatch.in_a_fork)
+            _SignalWatch.forks_drop_it = True
         read_fd, self.write_fd = os.pipe()
         os.set_blocking(self.write_fd, False)
         previous_fd = signal.set_wakeup_fd(self.write_fd, warn_on_full_buffer=False)
@@ -1380,11 +1384,6 @@ class _SignalWatch:
         # all the same, for a fork made past Python's (a C library's), which keeps its copy.
         self.thread.join(timeout=1.0)
         self.thread = None
-
-
-# Registered once, as the module is imported (after threading's own, which runs first in a fork): a fork
-# made while no watch runs finds none to drop.
-os.register_at_fork(after_in_child=_SignalWatch.in_a_fork)
 
 
 def _stage_for_children(trainer: Any, call: dict) -> dict:
