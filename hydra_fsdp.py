@@ -1003,7 +1003,8 @@ class _StageAbort:
     """Whether the job's process groups were aborted, and for which child: the fork server's thread
     aborts, the main thread runs the stage; one lock, so that no abort comes after the stage."""
 
-    def __init__(self) -> None:
+    def __init__(self, store_port: int) -> None:
+        self.store_port = store_port
         self.lock = threading.Lock()
         self.in_stage = False
         self.aborted = False  # a collective after that fails at once, never waits
@@ -1032,6 +1033,24 @@ class _StageAbort:
                 if for_rank is not None:
                     self.for_rank = for_rank
                 _abort_groups()
+                if for_rank is not None and not torch.distributed.is_initialized():
+                    _hang_up_on(self.store_port)  # rank 0 may wait for the dead child in init_process_group
+
+
+def _hang_up_on(port: int) -> None:
+    """Shut this process's connections to the job's store (on ``port``), so that a wait on it fails at once:
+    rank 0's for a child that died as the ranks met, in init_process_group, inside torch's C++ store, where no
+    Python code runs and no process group exists yet to abort; it would last the group's timeout (30 minutes
+    by default). Not ended: a wait in NCCL's own bootstrap, and one on a connection made after this."""
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # not a socket, not connected, or closed meanwhile
+            connection = socket.socket(fileno=int(fd))
+            try:
+                inet = connection.family in (socket.AF_INET, socket.AF_INET6)
+                if inet and connection.getpeername()[1] == port:
+                    connection.shutdown(socket.SHUT_RDWR)
+            finally:
+                connection.detach()  # the descriptor stays its owner's
 
 
 class _ChildRanks:
@@ -1178,7 +1197,6 @@ class _Job:
         self.sweep, self.spec = sweep, spec
         self.job_return = hydra_job["ret"]
         self.children = _ChildRanks(Path(HydraConfig.get().runtime.output_dir), sweep.said)
-        self.abort = _StageAbort()
         self.released = False  # the children were told to run the job (_GO_KEY)
         self.runs_task = True
         self.error: BaseException | None = None  # the job's, decided once, where it happened (error_for)
@@ -1188,6 +1206,7 @@ class _Job:
         self.closing.callback(self._forget)
         self.closing.callback(_restore_environ, {key: os.environ.get(key) for key in _JOB_ENV})
         self.store = sweep.new_store(spec.address)
+        self.abort = _StageAbort(self.store.port)
         os.environ["MASTER_PORT"] = str(self.store.port)
         self.closing.callback(_SignalWatch(self.children.stop).close)
         self.closing.callback(lambda: _destroy_process_group(aborted=self.abort.aborted))
@@ -1852,6 +1871,8 @@ class _HydraStrategy:
         return f"<{__name__}.{type(self).__qualname__}: use {' or '.join(spellings)}>"
 
     def setup_environment(self) -> None:
+        if _sweep.job is not None:  # rank 0: not into init_process_group for a child that died
+            _sweep.job.raise_if_aborted()
         super().setup_environment()
         _register_at_exit()
         if self.world_size > 1:

@@ -114,6 +114,8 @@ class Tiny(pl.LightningModule):
         if how.endswith("raise"):
             raise ValueError(f"injected failure on rank {rank}")
         if how.endswith("kill"):
+            if when == "rendezvous":
+                time.sleep(2)  # rank 0 waits for this rank in init_process_group by now
             os.kill(os.getpid(), 9)
         if how.endswith("hang"):
             time.sleep(10_000)
