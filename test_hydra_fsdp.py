@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import weakref
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 from typing import NamedTuple
@@ -1147,7 +1148,7 @@ def test_a_finished_jobs_groups_are_destroyed_after_its_stage_ended(monkeypatch)
     destroys the group, must not start an abort of the same communicators on the fork server's reader
     thread (D6: the destroy ran with the stage still open)."""
     job = object.__new__(hydra_fsdp._Job)
-    job.abort, job.released, job.runs_task = hydra_fsdp._StageAbort(), True, True
+    job.abort, job.released, job.runs_task = hydra_fsdp._StageAbort(store_port=0), True, True
     job.spec = SimpleNamespace(rank_timeout=1.0)
     job.children = SimpleNamespace(wait_until_exited=lambda timeout: None)
     job.close = mock.Mock()
@@ -1160,6 +1161,35 @@ def test_a_finished_jobs_groups_are_destroyed_after_its_stage_ended(monkeypatch)
     assert in_stage_at_destroy == [False]
     job.abort.abort(for_rank=1)  # the late failure: nothing to abort any more
     assert not job.abort.aborted and job.abort.for_rank is None
+
+
+def test_hanging_up_on_the_job_store_ends_a_wait_in_it_at_once():
+    """D4: rank 0 waits in torch's C++ store, in init_process_group, for a child that died; hanging up on
+    the job's store (its port) ends that wait at once, not after the store's timeout (a minute here, 30 by
+    default in init_process_group). Other connections of the process are left alone."""
+    server = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    other = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    waiting = torch.distributed.TCPStore(
+        "127.0.0.1", server.port, is_master=False, timeout=timedelta(minutes=1)
+    )
+    failed = []
+
+    def wait_for_a_dead_child():
+        try:
+            waiting.get("rank_1")
+        except RuntimeError as error:  # torch's DistNetworkError
+            failed.append(error)
+
+    waiter = threading.Thread(target=wait_for_a_dead_child, daemon=True)
+    waiter.start()
+    time.sleep(0.5)  # inside the C++ wait by now
+    started = time.monotonic()
+    hydra_fsdp._hang_up_on(server.port)
+    waiter.join(timeout=30)
+    assert not waiter.is_alive(), "the wait in the store outlived the hang-up"
+    assert failed and time.monotonic() - started < 10, failed
+    other.set("still", "there")
+    assert other.get("still") == b"there"
 
 
 def test_an_abort_ends_the_nccl_communicators_as_one_group(monkeypatch):
