@@ -49,10 +49,35 @@ LONGEST_FIRST = [
 ]
 
 
+# The README's test command runs the unit tests and the end-to-end modules that cover each kind of
+# app and sweep once (DDP and FSDP sweeps and their bad input, hydra-zen and both namespaces, typed
+# configs, the launcher, the template, the README's code): about 5 minutes on 2 cores. These modules
+# test at length, each a minute or more of CPU, and are marked `full`: they run where asked (`-m full`),
+# as CI does after the README's command. Optuna's and Ray's are not marked: they skip where the
+# sweepers extra is not installed, and CI runs them where it is.
+FULL = {
+    "test_parallel_jobs",
+    "test_faults",
+    "test_slurm",
+    "test_fabric",
+    "test_checkpoints",
+    "test_long_sweeps",
+    "test_model_parallel",
+    "test_external",
+    "test_abort",
+    "test_deepspeed",
+    "test_rank_command",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by the marks
 def pytest_collection_modifyitems(config, items):
-    """Run the longest modules first (see above). Skip what runs HydraFSDP on the CPU where
-    Lightning refuses it (tests/test_sweeps.py tests the refusal there): a test marked fsdp_cpu,
-    or one parametrized with the FSDP strategy."""
+    """Mark the modules of FULL; run the longest modules first (see above). Skip what runs HydraFSDP
+    on the CPU where Lightning refuses it (tests/test_sweeps.py tests the refusal there): a test
+    marked fsdp_cpu, or one parametrized with the FSDP strategy."""
+    for item in items:
+        if item.path.stem in FULL:
+            item.add_marker(pytest.mark.full)
     rank = {name: n for n, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: in-module order kept
     if FSDP_ON_CPU:
