@@ -41,6 +41,7 @@ import atexit
 import concurrent.futures
 import contextlib
 import copy
+import ctypes
 import dataclasses
 import faulthandler
 import fcntl
@@ -1041,16 +1042,18 @@ def _hang_up_on(port: int) -> None:
     """Shut this process's connections to the job's store (on ``port``), so that a wait on it fails at once:
     rank 0's for a child that died as the ranks met, in init_process_group, inside torch's C++ store, where no
     Python code runs and no process group exists yet to abort; it would last the group's timeout (30 minutes
-    by default). Not ended: a wait in NCCL's own bootstrap, and one on a connection made after this."""
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):  # not a socket, not connected, or closed meanwhile
-            connection = socket.socket(fileno=int(fd))
-            try:
-                inet = connection.family in (socket.AF_INET, socket.AF_INET6)
-                if inet and connection.getpeername()[1] == port:
-                    connection.shutdown(socket.SHUT_RDWR)
-            finally:
-                connection.detach()  # the descriptor stays its owner's
+    by default). Not ended: a wait in NCCL's own bootstrap, and one on a connection made after this.
+
+    By C calls on the descriptors: a socket object made of one sets it non-blocking where a default
+    timeout is set (socket.setdefaulttimeout), under whoever owns it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    peer, size = ctypes.create_string_buffer(28), ctypes.c_uint32()  # sockaddr_in6, the larger
+    for fd in map(int, os.listdir("/proc/self/fd")):
+        size.value = len(peer)
+        if libc.getpeername(fd, peer, ctypes.byref(size)) == 0:  # a connected socket
+            family = int.from_bytes(peer.raw[:2], sys.byteorder)
+            if family in (socket.AF_INET, socket.AF_INET6) and int.from_bytes(peer.raw[2:4], "big") == port:
+                libc.shutdown(fd, socket.SHUT_RDWR)
 
 
 class _ChildRanks:

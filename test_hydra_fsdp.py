@@ -10,6 +10,7 @@ import os
 import pickle
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -1166,9 +1167,12 @@ def test_a_finished_jobs_groups_are_destroyed_after_its_stage_ended(monkeypatch)
 def test_hanging_up_on_the_job_store_ends_a_wait_in_it_at_once():
     """D4: rank 0 waits in torch's C++ store, in init_process_group, for a child that died; hanging up on
     the job's store (its port) ends that wait at once, not after the store's timeout (a minute here, 30 by
-    default in init_process_group). Other connections of the process are left alone."""
+    default in init_process_group). Other connections of the process are left alone, still blocking where
+    a default timeout is set (a socket object made of a descriptor would make it non-blocking)."""
     server = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     other = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    listener = socket.create_server(("127.0.0.1", 0))
+    users = socket.create_connection(listener.getsockname())
     waiting = torch.distributed.TCPStore(
         "127.0.0.1", server.port, is_master=False, timeout=timedelta(minutes=1)
     )
@@ -1184,12 +1188,19 @@ def test_hanging_up_on_the_job_store_ends_a_wait_in_it_at_once():
     waiter.start()
     time.sleep(0.5)  # inside the C++ wait by now
     started = time.monotonic()
-    hydra_fsdp._hang_up_on(server.port)
+    socket.setdefaulttimeout(5)  # as a library may have set it
+    try:
+        hydra_fsdp._hang_up_on(server.port)
+    finally:
+        socket.setdefaulttimeout(None)
     waiter.join(timeout=30)
     assert not waiter.is_alive(), "the wait in the store outlived the hang-up"
     assert failed and time.monotonic() - started < 10, failed
     other.set("still", "there")
     assert other.get("still") == b"there"
+    assert not fcntl.fcntl(users.fileno(), fcntl.F_GETFL) & os.O_NONBLOCK
+    users.close()
+    listener.close()
 
 
 def test_an_abort_ends_the_nccl_communicators_as_one_group(monkeypatch):
