@@ -239,14 +239,11 @@ def _each_value(config: Any, value_of: Callable) -> dict:
 
 def _launching_script() -> dict:
     """How a child finds rank 0's ``__main__``: its task function, ``_target_: __main__.X``."""
-    import __main__
-
-    spec = getattr(__main__, "__spec__", None)
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
     if spec is not None and not spec.name.endswith("__main__"):
         return {"module": spec.name}
-    path = getattr(__main__, "__file__", None)
-    if spec is None and path is not None:
-        return {"path": os.path.abspath(path)}
+    if spec is None and _main_file() is not None:
+        return {"path": _main_file()}
     return {}  # an interactive session or a package's __main__: nothing safe to re-import
 
 
@@ -940,14 +937,13 @@ class _Sweep(Callback):
         keeps the first store of each port, a dead one too (an earlier job's, whose port the OS offers
         again), until a lookup of that port by its number drops it: the store is opened by its number,
         where init_process_group would otherwise start a second server (EADDRINUSE)."""
+        store = functools.partial(torch.distributed.TCPStore, address, is_master=True, wait_for_workers=False)
         while True:
             # a free port, free again as the store that found it goes (unless another process takes it: then
             # another one)
-            port = torch.distributed.TCPStore(address, 0, is_master=True, wait_for_workers=False).port
+            port = store(0).port
             with contextlib.suppress(torch.distributed.DistNetworkError):
-                return torch.distributed.TCPStore(
-                    address, port, is_master=True, multi_tenant=True, wait_for_workers=False
-                )
+                return store(port, multi_tenant=True)
 
     def follow(self, hydra_context: Any) -> "_Sweep":
         # Hydra's Callbacks (private): the only way to its job ends without the user's config.
