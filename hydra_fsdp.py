@@ -240,14 +240,11 @@ def _each_value(config: Any, value_of: Callable) -> dict:
 
 def _launching_script() -> dict:
     """How a child finds rank 0's ``__main__``: its task function, ``_target_: __main__.X``."""
-    import __main__
-
-    spec = getattr(__main__, "__spec__", None)
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
     if spec is not None and not spec.name.endswith("__main__"):
         return {"module": spec.name}
-    path = getattr(__main__, "__file__", None)
-    if spec is None and path is not None:
-        return {"path": os.path.abspath(path)}
+    if spec is None and _main_file() is not None:
+        return {"path": _main_file()}
     return {}  # an interactive session or a package's __main__: nothing safe to re-import
 
 
@@ -478,13 +475,8 @@ class _ForkServer:
         fds = [write_end, read_end]
         server = {"sys_path": sys.path, "module": __name__, "imports": self.imports, "fds": fds}
         env.update({_SERVER_ENV: json.dumps(server)}, PYTHONUNBUFFERED="1", PYTORCH_NVML_BASED_CUDA_CHECK="1")
-        self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__)],
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=2,
-            pass_fds=fds,
-        )
+        command = [sys.executable, os.path.abspath(__file__)]
+        self.proc = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=2, pass_fds=fds)
         for fd in fds:  # the server's ends
             os.close(fd)
         self.replies, self.signals = os.fdopen(replies, "rb"), os.fdopen(signals, "wb", buffering=0)
@@ -617,8 +609,7 @@ def _serve_forks(imports: list, replies: int, signals: int) -> None:
                 if pid in children:
                     os.kill(pid, signum)
         if 0 in ready:
-            heard = os.read(0, 1 << 16)
-            if not heard:
+            if not (heard := os.read(0, 1 << 16)):
                 break
             *lines, unread = (unread + heard).split(b"\n")
             for request in map(json.loads, lines):
@@ -653,10 +644,8 @@ def _run_forked(request: dict, lightning: str, server_fds: tuple, sigint: Any) -
         for fd in server_fds:
             os.close(fd)
         signal.signal(signal.SIGINT, sigint)
-        for fd, path, flags in (
-            (0, os.devnull, os.O_RDONLY),
-            (1, request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND),
-        ):
+        streams = ((0, os.devnull, os.O_RDONLY), (1, request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND))
+        for fd, path, flags in streams:
             opened = os.open(path, flags, 0o666)
             os.dup2(opened, fd)
             os.close(opened)
@@ -941,14 +930,13 @@ class _Sweep(Callback):
         keeps the first store of each port, a dead one too (an earlier job's, whose port the OS offers
         again), until a lookup of that port by its number drops it: the store is opened by its number,
         where init_process_group would otherwise start a second server (EADDRINUSE)."""
+        store = functools.partial(torch.distributed.TCPStore, address, is_master=True, wait_for_workers=False)
         while True:
             # a free port, free again as the store that found it goes (unless another process takes it: then
             # another one)
-            port = torch.distributed.TCPStore(address, 0, is_master=True, wait_for_workers=False).port
+            port = store(0).port
             with contextlib.suppress(torch.distributed.DistNetworkError):
-                return torch.distributed.TCPStore(
-                    address, port, is_master=True, multi_tenant=True, wait_for_workers=False
-                )
+                return store(port, multi_tenant=True)
 
     def follow(self, hydra_context: Any) -> "_Sweep":
         # Hydra's Callbacks (private): the only way to its job ends without the user's config.
@@ -1141,8 +1129,7 @@ class _ChildRanks:
     def end_saying_where_they_stood(self, error: BaseException | None, why: str) -> None:
         """Have every running child dump its stack to its log, end them, and say so under ``error``, after
         ``why``."""
-        running = self.running()
-        if not running:
+        if not (running := self.running()):
             return
         for rank in running:
             self.procs[rank].send_signal(_STACK_DUMP_SIGNAL)
@@ -1160,9 +1147,8 @@ class _ChildRanks:
         if code is not None and code < 0:
             status += f" (killed by {signal.Signals(-code).name})"
         excerpt = "\n".join("    " + line for line in _log_excerpt(self.log(rank)))
-        return f"rank {rank} (pid {proc.pid}, {status}); its log is {self.log(rank)}" + (
-            f", ending with:\n{excerpt}" if excerpt else "."
-        )
+        ending = f", ending with:\n{excerpt}" if excerpt else "."
+        return f"rank {rank} (pid {proc.pid}, {status}); its log is {self.log(rank)}{ending}"
 
 
 def _log_excerpt(log_path: Path) -> list[str]:
@@ -1948,9 +1934,8 @@ class _HydraFSDP(_HydraStrategy):
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
 
-            fsdp = _fsdp()
-            sharded_state_dict = fsdp.StateDictType.SHARDED_STATE_DICT
-            with fsdp.FullyShardedDataParallel.state_dict_type(self.model, sharded_state_dict):
+            sharded_state_dict = _fsdp().StateDictType.SHARDED_STATE_DICT
+            with _fsdp().FullyShardedDataParallel.state_dict_type(self.model, sharded_state_dict):
                 state = {"model": self.model.state_dict()}
                 dcp.load(state, checkpoint_id=path)
                 self.model.load_state_dict(state["model"], strict=strict)
@@ -2090,12 +2075,8 @@ def _full_state_dict_in_place(module: torch.nn.Module, world_size: int = 1, rank
     """FSDP's full-state-dict context without ``offload_to_cpu`` (see above), with the signature of
     Lightning's, which it stands in for (``world_size``: unused there too). Rank 0 alone gathers to save."""
     fsdp, config = _fsdp(), {"offload_to_cpu": False, "rank0_only": rank0_only}
-    return fsdp.FullyShardedDataParallel.state_dict_type(
-        module=module,
-        state_dict_type=fsdp.StateDictType.FULL_STATE_DICT,
-        state_dict_config=fsdp.FullStateDictConfig(**config),
-        optim_state_dict_config=fsdp.api.FullOptimStateDictConfig(**config),
-    )
+    configs = fsdp.FullStateDictConfig(**config), fsdp.api.FullOptimStateDictConfig(**config)
+    return fsdp.FullyShardedDataParallel.state_dict_type(module, fsdp.StateDictType.FULL_STATE_DICT, *configs)
 
 
 # ---------- HydraModelParallel: FSDP2 and tensor parallelism
