@@ -1,5 +1,6 @@
 import ctypes
 import signal
+from pathlib import Path
 
 import pytest
 from helpers import FSDP_ON_CPU, FSDP_ON_CPU_REASON, copy_app
@@ -53,8 +54,8 @@ LONGEST_FIRST = [
 # app and sweep once (DDP and FSDP sweeps and their bad input, hydra-zen and both namespaces, typed
 # configs, the launcher, the template, the README's code): about 5 minutes on 2 cores. These modules
 # test at length, each a minute or more of CPU, and are marked `full`: they run where asked (`-m full`),
-# as CI does after the README's command. Optuna's and Ray's are not marked: they skip where the
-# sweepers extra is not installed, and CI runs them where it is.
+# as CI does after the README's command, or where named (`pytest tests/test_faults.py`). Optuna's and
+# Ray's are not marked: they skip where the sweepers extra is not installed, and CI runs them where it is.
 FULL = {
     "test_parallel_jobs",
     "test_faults",
@@ -75,8 +76,9 @@ def pytest_collection_modifyitems(config, items):
     """Mark the modules of FULL; run the longest modules first (see above). Skip what runs HydraFSDP
     on the CPU where Lightning refuses it (tests/test_sweeps.py tests the refusal there): a test
     marked fsdp_cpu, or one parametrized with the FSDP strategy."""
+    named = {Path(arg.split("::")[0]).stem for arg in config.args}
     for item in items:
-        if item.path.stem in FULL:
+        if item.path.stem in FULL and item.path.stem not in named:
             item.add_marker(pytest.mark.full)
     rank = {name: n for n, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: in-module order kept
