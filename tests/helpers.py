@@ -5,6 +5,7 @@ every process of that session and every descendant (torchrun's workers start ses
 own) is ended, and the failure shows the output the processes wrote.
 """
 
+import atexit
 import json
 import os
 import re
@@ -201,6 +202,7 @@ def app_env(strategy="ddp", env=None):
     contention passes one folder to the sweeps it runs at once."""
     full_env = dict(os.environ, MUSHIN_DDP_LAUNCH_DELAY="0", APP_STRATEGY=strategy, HYDRA_FULL_ERROR="1")
     full_env["HYDRA_FSDP_CLAIMS"] = tempfile.mkdtemp(prefix="hydra-fsdp-claims-")
+    atexit.register(shutil.rmtree, full_env["HYDRA_FSDP_CLAIMS"], ignore_errors=True)  # not left in /tmp
     full_env.pop("PYTHONPATH", None)  # the app must find its own modules, as a user's would
     full_env.update(env or {})
     return full_env
