@@ -243,8 +243,8 @@ def _launching_script() -> dict:
     spec = getattr(sys.modules["__main__"], "__spec__", None)
     if spec is not None and not spec.name.endswith("__main__"):
         return {"module": spec.name}
-    if spec is None and _main_file() is not None:
-        return {"path": _main_file()}
+    if spec is None and (path := _main_file()) is not None:
+        return {"path": path}
     return {}  # an interactive session or a package's __main__: nothing safe to re-import
 
 
@@ -1934,8 +1934,9 @@ class _HydraFSDP(_HydraStrategy):
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
 
-            sharded_state_dict = _fsdp().StateDictType.SHARDED_STATE_DICT
-            with _fsdp().FullyShardedDataParallel.state_dict_type(self.model, sharded_state_dict):
+            fsdp = _fsdp()
+            sharded_state_dict = fsdp.StateDictType.SHARDED_STATE_DICT
+            with fsdp.FullyShardedDataParallel.state_dict_type(self.model, sharded_state_dict):
                 state = {"model": self.model.state_dict()}
                 dcp.load(state, checkpoint_id=path)
                 self.model.load_state_dict(state["model"], strict=strict)
@@ -2540,9 +2541,10 @@ def _run_child_rank(config_path: str) -> None:
             f"A child rank cannot make the job's config again: {error}. {_WHERE_CLASSES_GO}"
         ) from error
     _check_resolved_as_on_rank_0(task_cfg, launch["resolved"])
-    task_function = functools.partial(_run_config_contract, **launch["contract"])  # the fallback's
     if launch["task"] is not None:  # the job's own, which rank 0 could pickle
         task_function = pickle.loads(launch["task"])
+    else:  # the fallback's
+        task_function = functools.partial(_run_config_contract, **launch["contract"])
     _child_job = {"task_function": task_function, "task_cfg": task_cfg}  # what _hydra_job finds here
     if _CHILD_ENV in os.environ:  # started by rank 0 (not by the launcher, which starts every rank)
         _child_store().get(_GO_KEY)  # rank 0 runs this job with this world size: run it here too
