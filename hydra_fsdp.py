@@ -2267,18 +2267,6 @@ _RESULT_FILE = "rank_0.result.pickle"  # in the job's dir, until the sweep's pro
 _PLAIN = "Return plain values from the task function (numbers, strings, dicts and lists of them, tensors)."
 
 
-@dataclasses.dataclass
-class LauncherConf:
-    """``hydra/launcher=hydra_fsdp``'s settings (hydra_plugins/hydra_fsdp_launcher stores them)."""
-
-    _target_: str = "hydra_plugins.hydra_fsdp_launcher.HydraFSDPLauncher"
-    # ranks per job, read per job (torchrun's name): by default the job's own trainer.devices
-    nproc_per_node: Any = "${oc.select:trainer.devices,1}"
-    n_jobs: int = 1  # jobs at once (joblib's name), each on devices of its own
-    job_timeout: Any = None  # seconds a job may run: then its ranks' stacks go to their logs and they end
-    rank_timeout: float = DEFAULT_RANK_TIMEOUT  # seconds for the fork server to start a rank
-
-
 class HydraFSDPLauncher(Launcher):
     """Run each job's ranks 0..N-1 as forks of the fork server, each as torchrun would start it::
 
