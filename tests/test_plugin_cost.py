@@ -10,6 +10,7 @@ layout) in front. Each runs ``python -S`` (no .pth file is read: the editable in
 repository back on sys.path) with PYTHONPATH naming those folders."""
 
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -37,9 +38,10 @@ main()
 
 
 def _ours(name):
-    """Whether a site-packages entry is hydra-fsdp's (normalized: hydra_fsdp, hydra-fsdp)."""
-    name = name.lower().replace("-", "_")
-    return name.startswith(("hydra_fsdp-", "hydra_fsdp.", "__editable__.hydra_fsdp")) or name.endswith(".pth")
+    """Whether a site-packages entry is hydra-fsdp's (hydra_fsdp.py, hydra_fsdp-0.2.0.dist-info,
+    __editable__.hydra_fsdp-0.2.0.pth, its finder), or a .pth file."""
+    ours = re.match(r"(__editable__[._])?hydra[-_.]fsdp([-_.]|$)", name.lower())
+    return bool(ours) or name.endswith(".pth")
 
 
 def _site_without_hydra_fsdp(farm):
