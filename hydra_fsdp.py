@@ -38,7 +38,6 @@ instead of hanging a job.
 __version__ = "0.2.0"
 
 import atexit
-import concurrent.futures
 import contextlib
 import copy
 import ctypes
@@ -79,7 +78,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed
 from hydra.core.hydra_config import HydraConfig
-from hydra.core.utils import JobStatus, configure_log, run_job, setup_globals
+from hydra.core.utils import JobReturn, JobStatus, configure_log, run_job, setup_globals
 from hydra.experimental.callback import Callback
 from hydra.plugins.launcher import Launcher
 from hydra.utils import instantiate
@@ -126,6 +125,7 @@ _DIFFERENCES_SHOWN = 5
 _PEER_EXIT_GRACE = 2.0  # after a collective failed on rank 0: how long a child that caused it may take
 _STACK_DUMP_SIGNAL = signal.SIGUSR1  # a child dumps its stack to its log on it (faulthandler)
 _STACK_DUMP_WAIT = 0.5
+_PR_SET_PDEATHSIG = 1  # prctl(2): a signal for this process when its parent ends
 _KILL_WAIT = 5.0  # for a child to be reaped after SIGKILL: one the kernel holds is left behind
 # A child waits on rank 0's store without a deadline of its own: rank 0 ends its children itself.
 _CHILD_STORE_TIMEOUT = timedelta(days=1)
@@ -460,36 +460,50 @@ class _ForkServer:
 
     A fork of it is up in milliseconds, not seconds, and still a fresh process (rank 0's script imported
     anew, the job's environment): the server imports nothing more, starts no thread, never touches CUDA.
-    Run as ``python /path/to/hydra_fsdp.py``, it reads a child's command a line on stdin, answers its pid
-    and later its exit code on a pipe of their own (read by a thread, which notifies ``said`` and calls a
-    failed child's ``on_failure``), and ends, ending its children, with rank 0.
+    Run as ``python /path/to/hydra_fsdp.py``, it serves connections (Unix sockets of datagrams, each message
+    whole): on each, a request to fork a child or to signal one of that connection's children; it answers
+    the child's pid and later its exit code on the same connection (read by ``listen``'s thread, which
+    notifies ``said`` and starts a failed child's ``on_failure`` on a thread of its own). The first
+    connection, the owner's, also hands the server new ones (``connect``: a job agent's, which it ends
+    with). A connection's children end as it closes, and all of them as the server's owner ends.
     """
 
-    def __init__(self, lightning: str, said: threading.Condition) -> None:
-        env_set = HydraConfig.get().job.env_set  # the job's environment: the children's, not the server's
+    def __init__(self, lightning: str, env_set: Any) -> None:
+        # env_set: the job's environment, the children's, not the server's
         env = {key: value for key, value in os.environ.items() if key not in env_set}
-        self.imports = [lightning] + [name for name in ("hydra_zen",) if name in sys.modules]
-        # Replies on a pipe of their own: the server's stdout, which its imports may print to, is stderr.
-        # Requests to signal a child too: a signal's thread (send_signal) never writes amid a fork request.
-        (replies, write_end), (read_end, signals) = os.pipe(), os.pipe()
-        fds = [write_end, read_end]
-        server = {"sys_path": sys.path, "module": __name__, "imports": self.imports, "fds": fds}
+        self.imports = [name for name in (lightning, "hydra_zen") if name in sys.modules]  # the sweep's
+        self.conn, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        server = {"sys_path": sys.path, "module": __name__, "imports": self.imports, "fd": theirs.fileno()}
         env.update({_SERVER_ENV: json.dumps(server)}, PYTHONUNBUFFERED="1", PYTORCH_NVML_BASED_CUDA_CHECK="1")
         command = [sys.executable, os.path.abspath(__file__)]
-        self.proc = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=2, pass_fds=fds)
-        for fd in fds:  # the server's ends
-            os.close(fd)
-        self.replies, self.signals = os.fdopen(replies, "rb"), os.fdopen(signals, "wb", buffering=0)
+        # Its stdout, which its imports may print to, is stderr: only the connections carry replies.
+        self.proc = subprocess.Popen(
+            command, env=env, stdin=subprocess.DEVNULL, stdout=2, pass_fds=[theirs.fileno()]
+        )
+        theirs.close()
+
+    def listen(self, said: threading.Condition) -> "_ForkServer":
+        """Read this connection's replies on a thread of this process (a job agent's after its fork)."""
         self.said = said
         self.started: list[int] = []
         self.exit_codes: dict[int, int] = {}
         self.on_failure: dict[int, Callable[[], None]] = {}  # by pid, of each child still running
-        self.lost = False  # the server died, and its children with it
+        self.lost = False  # the server died, or this connection did, and its children with it
         threading.Thread(target=self._read_replies, name="hydra-fsdp-fork-server", daemon=True).start()
+        return self
+
+    def connect(self) -> "_ForkServer":
+        """A new connection to the server, for a job agent to fork: its ``listen`` starts its reader. The
+        owner closes its own copy (``conn.close()``) once the agent has it."""
+        other = copy.copy(self)
+        other.conn, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        socket.send_fds(self.conn, [b"{}"], [theirs.fileno()])
+        theirs.close()
+        return other
 
     def _read_replies(self) -> None:
         try:
-            for reply in map(json.loads, self.replies):
+            for reply in map(json.loads, iter(functools.partial(self.conn.recv, 1 << 16), b"")):
                 with self.said:
                     if "started" in reply:
                         self.started.append(reply["started"])
@@ -497,13 +511,10 @@ class _ForkServer:
                         self.exit_codes[reply["exited"]] = reply["code"]
                     on_failure = self.on_failure.pop(reply.get("exited"), None)
                     self.said.notify_all()
-                if reply.get("code") and on_failure is not None:
-                    try:
-                        on_failure()
-                    except Exception:  # the reader must outlive it
-                        # Its end would mark the live server lost: its running children would read as
-                        # killed, and the next job would wait, unbounded, on a server that still runs.
-                        log.exception("hydra_fsdp: aborting the stage of a failed child rank failed")
+                if reply.get("code") and on_failure is not None:  # one that blocks holds up no reply
+                    threading.Thread(target=_logged_if_it_fails, args=(on_failure,), daemon=True).start()
+        except OSError:  # the connection was closed here, or reset
+            pass
         finally:  # the server ended, or its replies did: no wait may outlast it
             with self.said:
                 self.lost = True
@@ -513,22 +524,21 @@ class _ForkServer:
         self, command: list, env: dict, log: Path, timeout: float, on_failure: Callable[[], None]
     ) -> "_ForkedChild":
         """Have the server fork a child running ``command`` with ``env`` into ``log`` within ``timeout``
-        s; ``on_failure`` is called, on the reader's thread, if it exits with an error."""
+        s; ``on_failure`` is called, on a thread of its own, if it exits with an error."""
         request = {"command": command, "env": env, "cwd": os.getcwd(), "log": str(log)}
-        with contextlib.suppress(BrokenPipeError):  # a server that died says so by its end
-            self.proc.stdin.write(json.dumps(request).encode() + b"\n")
-            self.proc.stdin.flush()
+        with contextlib.suppress(OSError):  # a server that died says so by its end
+            self.conn.sendall(json.dumps(request).encode())
         if not _wait_until(self.said, lambda: self.started or self.lost, timeout):
             self.end()
             raise ChildRankError(
                 f"hydra_fsdp's fork server (pid {self.proc.pid}), which imports {', '.join(self.imports)}"
                 f" once for the sweep's child ranks, started none within {timeout:g} s and was ended. Raise"
-                " rank_timeout on the strategy if imports are this slow here (a shared file system)."
+                " rank_timeout if imports are this slow here (a shared file system)."
             )
         if not self.started:
             raise ChildRankError(
-                f"hydra_fsdp's fork server (pid {self.proc.pid}) ended (exit code {self.end()}) before it"
-                " started a child rank; its error is in rank 0's output above."
+                f"hydra_fsdp's fork server (pid {self.proc.pid}) ended before it started a child rank; its"
+                " error is in the sweep's output above."
             )
         with self.said:
             pid = self.started.pop(0)
@@ -537,34 +547,39 @@ class _ForkServer:
         return _ForkedChild(self, pid)
 
     def close(self) -> None:
-        """Close the server's stdin: it ends, and with it any child still running. The server reaps
-        each child it kills, and a child the kernel holds (uninterruptible sleep) would keep it, and so
+        """Close the owner's connection: the server ends, and with it any child still running. The server
+        reaps each child it kills, and a child the kernel holds (uninterruptible sleep) would keep it, and so
         the sweep's end, waiting: after ``_KILL_WAIT`` s the server is killed, the child left behind."""
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(_KILL_WAIT)
-            except subprocess.TimeoutExpired:
-                log.warning(
-                    f"hydra_fsdp: the fork server (pid {self.proc.pid}) did not end {_KILL_WAIT:g} s after"
-                    " the sweep's end (a child rank it waits for is stuck in the kernel?): it was killed."
-                )
-                self.end()
+        self.conn.close()
+        try:
+            self.proc.wait(_KILL_WAIT)
+        except subprocess.TimeoutExpired:
+            log.warning(
+                f"hydra_fsdp: the fork server (pid {self.proc.pid}) did not end {_KILL_WAIT:g} s after"
+                " the sweep's end (a child rank it waits for is stuck in the kernel?): it was killed."
+            )
+            self.end()
 
     def send_signal(self, pid: int, signum: int) -> None:
-        """Have the server send ``signum`` to its child ``pid``, from any thread. Only the server, which
-        reaps its children, knows that ``pid`` is still its child's: rank 0 hears of a child's exit only
-        after it was reaped, when its pid may already be another process's."""
+        """Have the server send ``signum`` to this connection's child ``pid``, from any thread (each message
+        is sent whole). Only the server, which reaps its children, knows that ``pid`` is still its child's:
+        rank 0 hears of a child's exit only after it was reaped, when its pid may be another process's."""
         with contextlib.suppress(OSError):  # a server that died took its children with it
-            self.signals.write(f"{pid} {signum}\n".encode())  # one write of a few bytes: never split
+            self.conn.sendall(json.dumps({"signal": [pid, signum]}).encode())
 
-    def end(self) -> int | None:
-        """Kill the server and reap it: its exit code, or None if the kernel still holds it after
-        ``_KILL_WAIT`` s (a child of it stuck there), which no wait of the sweep's may outlast."""
+    def end(self) -> None:
+        """Kill the server, and its children with it; reaped within ``_KILL_WAIT`` s where this process
+        started it (else not its to reap), or left to the kernel."""
         self.proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
-            return self.proc.wait(_KILL_WAIT)
-        return None
+            self.proc.wait(_KILL_WAIT)
+
+
+def _logged_if_it_fails(call: Callable[[], None]) -> None:
+    try:
+        call()
+    except Exception:  # a failed child's abort: the job fails with the child's error all the same
+        log.exception("hydra_fsdp: aborting the stage of a failed child rank failed")
 
 
 class _ForkedChild(NamedTuple):
@@ -588,46 +603,57 @@ class _ForkedChild(NamedTuple):
         self.send_signal(signal.SIGKILL)
 
 
-def _serve_forks(imports: list, replies: int, signals: int) -> None:
-    """The fork server's loop: fork a child per request, report its exit."""
+def _serve_forks(imports: list, owner: int) -> None:
+    """The fork server's loop: serve each connection's requests, report each child's exit to its own."""
     gc.disable()  # collecting a growing heap would take a fifth of the imports' time
     for name in imports:  # what every child needs, imported once for all of them
         importlib.import_module(name)
     # The children's collections skip what the server holds (0.2 s, and a copy of every page).
     gc.freeze()
     gc.enable()
-    # Ctrl-C reaches rank 0 and the children, which react as a process rank 0 started would.
-    sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a child has its own, and a group of its own
     parent = os.getppid()
-    children: set = set()
-    unread = b""
-    while os.getppid() == parent:
-        ready = select.select([0, signals], [], [], _POLL_INTERVAL)[0]
-        if signals in ready:  # rank 0's "<pid> <signal>": only to a child not reaped, whose pid is its own
-            words = list(map(int, os.read(signals, 1 << 16).split()))
-            for pid, signum in zip(words[::2], words[1::2]):
-                if pid in children:
+    conns = {owner: socket.socket(fileno=owner)}  # by fd
+    children: dict = {}  # pid: the fd of the connection it is reported to (None: that one closed)
+    while os.getppid() == parent and owner in conns:
+        for fd in select.select(list(conns), [], [], _POLL_INTERVAL)[0]:
+            message, fds = b"", []
+            with contextlib.suppress(OSError):  # reset: as closed
+                message, fds, *_ = socket.recv_fds(conns[fd], 1 << 20, 1)
+            if not message or fds:
+                conns.update({new: socket.socket(fileno=new) for new in fds})
+                if not message:  # its children end with it (reaped below)
+                    conns.pop(fd).close()
+                    for pid in [pid for pid, to in children.items() if to == fd]:
+                        os.kill(pid, signal.SIGKILL)
+                        children[pid] = None
+                continue
+            request = json.loads(message)
+            if "signal" in request:  # only to a child of its own not reaped, whose pid is still its own
+                pid, signum = request["signal"]
+                if children.get(pid) == fd:
                     os.kill(pid, signum)
-        if 0 in ready:
-            if not (heard := os.read(0, 1 << 16)):
-                break
-            *lines, unread = (unread + heard).split(b"\n")
-            for request in map(json.loads, lines):
-                pid = os.fork()
-                if pid == 0:
-                    _run_forked(request, imports[0], (replies, signals), sigint)
-                children.add(pid)
-                os.write(replies, json.dumps({"started": pid}).encode() + b"\n")
+                continue
+            pid = os.fork()
+            if pid == 0:
+                _run_forked(request, list(conns), sigint)
+            children[pid] = fd
+            _reply(conns[fd], started=pid)
         for pid in list(children):
             exited, status = os.waitpid(pid, os.WNOHANG)
             if exited:
-                children.discard(pid)
-                code = os.waitstatus_to_exitcode(status)
-                os.write(replies, json.dumps({"exited": pid, "code": code}).encode() + b"\n")
-    for pid in children:  # rank 0 is gone, and with it the job
+                to = children.pop(pid)
+                if to in conns:
+                    _reply(conns[to], exited=pid, code=os.waitstatus_to_exitcode(status))
+    for pid in children:  # the owner is gone, and with it every job
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)  # SIGKILLed: bounded, but for a child the kernel holds; nothing waits on this
     os._exit(0)  # nothing to clean up: finalizing torch would cost rank 0 most of a second
+
+
+def _reply(conn: socket.socket, **reply: Any) -> None:
+    with contextlib.suppress(OSError):  # a connection whose reader is gone
+        conn.send(json.dumps(reply).encode())
 
 
 def _set_rank_zero_only(lightning: str, rank: int) -> None:
@@ -638,9 +664,13 @@ def _set_rank_zero_only(lightning: str, rank: int) -> None:
     rank_zero_only.rank = rank
 
 
-def _run_forked(request: dict, lightning: str, server_fds: tuple, sigint: Any) -> None:
-    """In a fresh fork of the server: become the child rank ``request`` starts."""
+def _run_forked(request: dict, server_fds: list, sigint: Any) -> None:
+    """In a fresh fork of the server: become the child rank ``request`` starts, in a process group of its
+    own (a terminal's Ctrl-C reaches the process that forwards it to the ranks, once), ending with the
+    server."""
     try:
+        _exit_with(os.getppid())
+        os.setpgid(0, 0)
         for fd in server_fds:
             os.close(fd)
         signal.signal(signal.SIGINT, sigint)
@@ -656,7 +686,8 @@ def _run_forked(request: dict, lightning: str, server_fds: tuple, sigint: Any) -
         # What a new process reads at its start, read again in the job's environment: Lightning's rank
         # and the threads. And the random seeds: numpy and torch seed once per process, so that every fork
         # would draw the server's numbers (Python's random reseeds itself in a fork).
-        _set_rank_zero_only(lightning, int(os.environ["LOCAL_RANK"]))
+        for lightning in [name for name in _NAMESPACES.values() if name in sys.modules]:
+            _set_rank_zero_only(lightning, int(os.environ["LOCAL_RANK"]))
         if "OMP_NUM_THREADS" in os.environ:
             torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
         torch.seed()
@@ -666,6 +697,14 @@ def _run_forked(request: dict, lightning: str, server_fds: tuple, sigint: Any) -
     except BaseException:  # noqa: BLE001 - whatever it is, its traceback goes to the child's log
         traceback.print_exc()
     os._exit(1)
+
+
+def _exit_with(parent: int) -> None:
+    """End this child the moment ``parent``, which started it, ends (SIGKILL, a crash): never an orphan,
+    never a rank that runs on unseen while a poll notices."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # it ended before that
+        os._exit(1)
 
 
 # -------------------- the devices a job holds
@@ -922,7 +961,7 @@ class _Sweep(Callback):
 
     def started_fork_server(self, lightning: str) -> _ForkServer:
         if self.fork_server is None or self.fork_server.proc.poll() is not None:
-            self.fork_server = _ForkServer(lightning, self.said)
+            self.fork_server = _ForkServer(lightning, HydraConfig.get().job.env_set).listen(self.said)
         return self.fork_server
 
     def new_store(self, address: str) -> torch.distributed.TCPStore:
@@ -1064,12 +1103,24 @@ class _ChildRanks:
             if self.stopped_by is not None:
                 proc.kill()
 
-    def stop(self, signum: int) -> None:
-        """SIGTERM or SIGINT reached rank 0: kill every child now, from whichever thread."""
+    def stop(self, signum: int, to_send: int = signal.SIGKILL) -> None:
+        """SIGTERM or SIGINT (``signum``) reached the process that started them: send every child
+        ``to_send``, from whichever thread."""
         with self.lock:
             self.stopped_by = signum
             for proc in list(self.procs.values()):
-                proc.kill()
+                proc.send_signal(to_send)
+
+    def close(self, signum: int, grace: float) -> list:
+        """End them as torch elastic's ``PContext.close`` does: ``signum`` to every child, up to ``grace`` s
+        for all to exit (their graceful shutdown: Lightning's ``on_exception`` hooks, its loggers' finalize),
+        then SIGKILL to the rest (``end``), which it returns; a second signal here cuts the grace short."""
+        self.stop(signum, signum)
+        try:
+            _wait_until(self.said, lambda: not self.running(), grace)
+            return self.running()
+        finally:
+            self.end()
 
     def end(self) -> None:
         """SIGKILL every child still running and reap it, each wait bounded as torch elastic's: a child the
@@ -2257,14 +2308,39 @@ def __getattr__(name: str) -> Any:
 
 
 # -------------------- the launcher: every rank a fresh process
-# ``hydra/launcher=hydra_fsdp``: the sweep's process runs Hydra's job machinery (run_job: the job's dir,
-# .hydra, callbacks, logging) with a task function of its own, which starts every rank of the job, rank 0
-# included, from the fork server and waits for them. No job leaves anything in a rank of a later job (a
-# segfault, torch's defaults, DeepSpeed's groups, a broken CUDA context), and the sweep never trains.
+# ``hydra/launcher=hydra_fsdp`` (settings: hydra_plugins/hydra_fsdp_launcher). The sweep's process runs the
+# sweeper and forks a job agent per job, at most n_jobs at once, as joblib's workers and torchrun's agents
+# are: it never runs Hydra's job machinery or a task function, and holds no lock. An agent runs run_job for
+# its job (the job's dir, .hydra, chdir, env_set, logging, callbacks) with a task function that claims the
+# job's devices, starts its ranks with torchrun's environment, waits for them, ends them and returns rank 0's
+# result; it hands its JobReturn back, less the config the sweep has, and exits (docs/launcher.md):
+#
+#     sweep (sweeper, the fork server's owner) ──fork──> job agent ──asks──> fork server ──fork──> rank 0..N-1
+#
+# A task function a child cannot import by name (a closure, a notebook's) runs in forks of the agent's own
+# copy of the sweep, which has it in memory (``_local_fork_server``), where that copy never touched CUDA.
 
 _RESULT_ENV = "HYDRA_FSDP_RESULT"  # set for rank 0 under the launcher: where it writes its outcome
-_RESULT_FILE = "rank_0.result.pickle"  # in the job's dir, until the sweep's process has read it
+_RESULT_FILE = "rank_0.result.pickle"  # in the job's dir, until the job's agent has read it
 _PLAIN = "Return plain values from the task function (numbers, strings, dicts and lists of them, tensors)."
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class _Interrupted(BaseException):
+    """SIGINT or SIGTERM reached the sweep or a job agent: its jobs' ranks end, with a grace."""
+
+
+def _raise_interrupted(signum: int, frame: Any) -> None:
+    raise _Interrupted(signum)
+
+
+class _Agent(NamedTuple):
+    """A running job agent, as the sweep's process knows it."""
+
+    pid: int
+    number: int
+    config: DictConfig  # the job's, with Hydra's
+    said: list  # what it wrote back so far
 
 
 class HydraFSDPLauncher(Launcher):
@@ -2277,124 +2353,230 @@ class HydraFSDPLauncher(Launcher):
             python /path/to/hydra_fsdp.py <job dir>/rank_config.pickle  >> <job dir>/rank_<r>.log 2>&1
 
     (the launch file of ``_write_launch``: the job's task function and config), so that Lightning, Fabric
-    and torch find their ranks started (hydra_fsdp's strategies then start none). The job's result is
-    rank 0's: its return value, or its exception; else the error of the rank that failed first."""
+    and torch find their ranks started (hydra_fsdp's strategies then start none): rank 0 first, ranks
+    1..N-1 once it serves the job's store on MASTER_PORT, in Lightning's order. The job's result is rank
+    0's: its return value, or its exception; else the error of the rank that failed first."""
 
-    def __init__(self, nproc_per_node: Any = None, n_jobs: int = 1, job_timeout: Any = None,
-                 rank_timeout: float = DEFAULT_RANK_TIMEOUT) -> None:  # fmt: skip
-        # nproc_per_node is read per job, from the job's config (_start_ranks): it may follow it
+    def __init__(self, nproc_per_node: Any = None, accelerator: Any = None, n_jobs: int = 1,
+                 job_timeout: Any = None, rank_timeout: float = DEFAULT_RANK_TIMEOUT,
+                 start_ranks_together: bool = False, shutdown_grace: float = 30.0) -> None:  # fmt: skip
+        # nproc_per_node and accelerator are read per job, from the job's config (_start_ranks)
         if type(n_jobs) is not int or n_jobs < 1 or not (job_timeout is None or job_timeout > 0):
             raise ValueError(
                 f"hydra.launcher.n_jobs={n_jobs!r}, job_timeout={job_timeout!r}: expected n_jobs an int >= 1"
                 " and job_timeout seconds > 0, or null for no limit."
             )
         self.n_jobs, self.job_timeout, self.rank_timeout = n_jobs, job_timeout, rank_timeout
-        self.machinery = threading.Lock()  # what run_job sets process-wide is one job's at a time
-        self.running: set = set()  # the _ChildRanks of each running job
-        self.stopped: int | None = None  # the signal that stopped the sweep
-        self.ended: dict = {}  # by job number: its seconds, and what it returned or raised
+        self.together, self.grace = start_ranks_together, shutdown_grace
 
     def setup(self, *, hydra_context: Any, task_function: Callable, config: DictConfig) -> None:
         self.hydra_context, self.task_function, self.config = hydra_context, task_function, config
 
     def launch(self, job_overrides: Any, initial_job_idx: int) -> list:
+        """Run the jobs, ``n_jobs`` agents at once. On SIGINT or SIGTERM start no more, pass it on to every
+        running agent once, wait for them (their ranks' grace), then end as the signal does; on a second
+        one, or past that bound, kill the agents (the fork server ends their ranks with them)."""
         setup_globals()
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
-        watch = _SignalWatch(self._stop)  # Ctrl-C, SIGTERM: every running rank ends at once
-        pool = concurrent.futures.ThreadPoolExecutor(self.n_jobs, thread_name_prefix="hydra-fsdp-job")
+        numbers = range(initial_job_idx, initial_job_idx + len(job_overrides))
+        pending, agents, returns, ended = list(zip(numbers, job_overrides))[::-1], {}, {}, {}
+        # Ranks fork from the fork server where a child can import the task function (else: the agent's own)
+        lightning, importable = _NAMESPACES[_namespace_in_use()], _pickled(self.task_function, "")[0]
+        server = _ForkServer(lightning, self.config.hydra.job.env_set) if importable else None
+        handlers = {signum: signal.signal(signum, _raise_interrupted) for signum in _STOP_SIGNALS}
+        stopped, deadline = None, math.inf
         try:
-            numbered = enumerate(job_overrides, start=initial_job_idx)
-            returns = [job.result() for job in [pool.submit(self._job, *job) for job in numbered]]
-        except BaseException:
-            self._stop(signal.SIGTERM)
-            raise
+            while agents or pending and stopped is None:
+                try:
+                    while pending and stopped is None and len(agents) < self.n_jobs:
+                        agents.update([self._fork_agent(server, *pending.pop())])
+                    if time.monotonic() > deadline:
+                        _signal_agents(agents, signal.SIGKILL)
+                    left = None if stopped is None else max(0.0, deadline - time.monotonic())
+                    returns.update(_answers(agents, ended, left))
+                except _Interrupted as interrupted:  # the second: at once
+                    deadline = time.monotonic() + (self.grace + 2 * _KILL_WAIT if stopped is None else 0)
+                    stopped = stopped or interrupted.args[0]
+                    _signal_agents(agents, stopped)
         finally:
-            pool.shutdown(cancel_futures=True)  # a running job's ranks were ended: it ends at once
-            watch.close()
-        _log_summary(returns, self.ended)
-        return returns
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
+            _signal_agents(agents, signal.SIGKILL)  # what an error left: ended with their ranks
+            while agents and _answers(agents, ended, _KILL_WAIT) is not None:
+                pass
+            if server is not None:
+                server.close()
+        _log_summary([returns[number] for number in numbers if number in returns], ended)
+        if stopped is not None:
+            raise KeyboardInterrupt if stopped == signal.SIGINT else SystemExit(128 + stopped)
+        return [returns[number] for number in numbers]
 
-    def _stop(self, signum: int) -> None:
-        self.stopped = signum
-        for children in list(self.running):
-            children.stop(signum)
+    def _fork_agent(self, server: _ForkServer | None, number: int, overrides: Any) -> tuple:
+        """Start job ``number``'s agent: the read end of its pipe, and the agent."""
+        config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+        with open_dict(config):
+            config.hydra.job.id, config.hydra.job.num = str(number), number
+        connection = server and server.connect()
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read_end)
+            self._run_agent(config, server, connection, write_end)
+        os.close(write_end)
+        if connection is not None:
+            connection.conn.close()  # the agent's
+        return read_end, _Agent(pid, number, config, [])
 
-    def _job(self, number: int, overrides: Any) -> Any:
-        with self.machinery:
-            config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
-            with open_dict(config):
-                config.hydra.job.id = config.hydra.job.num = number
-            # what run_job changes process-wide, as it finds it: the next job's while this one's ranks run
-            outside = {
-                "cwd": os.getcwd(),
-                "env": {key: os.environ.get(key) for key in config.hydra.job.env_set},
-            }
-            return run_job(
+    def _run_agent(self, config: DictConfig, server: Any, connection: Any, write_end: int) -> None:
+        """In a job agent: run the job with Hydra's run_job, hand back its JobReturn (less the config: one
+        made at run time may not pickle), and exit."""
+        try:
+            os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the sweep alone, which passes it on once
+            _exit_with(os.getppid())
+            if server is not None:
+                server.conn.close()  # the sweep's
+            self.write_end = write_end
+            ret = run_job(
                 hydra_context=self.hydra_context,
-                task_function=functools.partial(self._run_ranks, outside),
+                task_function=functools.partial(self._run_ranks, connection),
                 config=config,
                 job_dir_key="hydra.sweep.dir",
                 job_subdir_key="hydra.sweep.subdir",
             )
+            ret.cfg, outcome = None, {"ret": ret}
+        except BaseException as error:  # noqa: BLE001 - the job's, for the sweep to report
+            outcome = {"error": error}
+        outcome["ended"] = getattr(self, "ended", None)
+        try:
+            pickled = pickle.dumps(outcome)
+        except Exception as error:  # noqa: BLE001 - what the job's callbacks put in it
+            pickled = pickle.dumps({"error": RankLaunchError(f"Its outcome cannot be pickled: {error!r}")})
+        with os.fdopen(write_end, "wb") as pipe:
+            pipe.write(pickled)
+        os._exit(0)
 
-    def _run_ranks(self, outside: dict, task_cfg: DictConfig) -> Any:
-        """The task function run_job runs here: start the job's ranks, wait for them, return rank 0's."""
+    def _run_ranks(self, server: _ForkServer | None, task_cfg: DictConfig) -> Any:
+        """The task function run_job runs in the agent: start the job's ranks, wait for them, return rank 0's
+        result; on SIGINT or SIGTERM, end them with a grace (``_ChildRanks.close``)."""
         hydra_job = dict(_hydra_job(), task_function=self.task_function)
         number, started = hydra_job["config"].hydra.job.num, time.monotonic()
+        children = _ChildRanks(Path(HydraConfig.get().runtime.output_dir), threading.Condition())
         try:
             with contextlib.ExitStack() as job:
-                children = _ChildRanks(Path(HydraConfig.get().runtime.output_dir), _sweep.said)
-                self.running.add(children)
-                job.callback(self.running.discard, children)
                 job.callback(children.end)
-                if self.stopped is not None:
-                    children.stop(self.stopped)
-                failures = _start_ranks(job, children, hydra_job, self.rank_timeout)
-                with _stepped_out(outside, hydra_job, self.machinery):
+                try:
+                    failures = _start_ranks(self, job, children, hydra_job, server)
                     settled = _wait_until(children.said, children.settled, self.job_timeout)
+                except _Interrupted as interrupted:
+                    killed = children.close(interrupted.args[0], self.grace)
+                    raise _interruption(interrupted.args[0], time.monotonic() - started, killed) from None
                 returned = _outcome(children, failures, settled, self.job_timeout)
         except BaseException as error:  # its ranks ended, its devices let go of: say so
-            self.ended[number] = (time.monotonic() - started, f"{type(error).__name__}: {error}")
-            log.error(f"hydra_fsdp: job #{number} failed after {self.ended[number][0]:.1f} s: {error}")
+            self.ended = (time.monotonic() - started, f"{type(error).__name__}: {error}")
+            log.error(f"hydra_fsdp: job #{number} failed after {self.ended[0]:.1f} s: {error}")
             raise
-        self.ended[number] = (time.monotonic() - started, f"returned {returned!r}")
-        log.info(
-            f"hydra_fsdp: job #{number} completed in {self.ended[number][0]:.1f} s, returned {returned!r}"
-        )
+        self.ended = (time.monotonic() - started, f"returned {returned!r}")
+        log.info(f"hydra_fsdp: job #{number} completed in {self.ended[0]:.1f} s, returned {returned!r}")
         return returned
 
 
+def _signal_agents(agents: dict, signum: int) -> None:
+    for agent in agents.values():
+        with contextlib.suppress(ProcessLookupError):  # not reaped yet: its pid is still its own
+            os.kill(agent.pid, signum)
+
+
+def _answers(agents: dict, ended: dict, timeout: float | None) -> dict:
+    """One look at what the agents wrote back, within ``timeout`` s (None: until one writes): the JobReturn
+    of each that ended, by job number, and what the summary says of it in ``ended``."""
+    returns: dict = {}
+    for fd in select.select(list(agents), [], [], timeout)[0] if agents else ():
+        if said := os.read(fd, 1 << 20):
+            agents[fd].said.append(said)
+            continue
+        os.close(fd)
+        agent = agents.pop(fd)
+        code = os.waitstatus_to_exitcode(os.waitpid(agent.pid, 0)[1])
+        returns[agent.number] = _job_return(agent, code, ended)
+    return returns
+
+
+def _job_return(agent: _Agent, code: int, ended: dict) -> JobReturn:
+    """The JobReturn an agent handed back, with the job's config; or a failed one saying how it ended."""
+    outcome = {}
+    with contextlib.suppress(Exception):  # nothing, or part of it: it died
+        outcome = pickle.loads(b"".join(agent.said))
+    ended[agent.number] = outcome.get("ended")
+    ret = outcome.get("ret")
+    if ret is None:
+        ret = JobReturn(
+            overrides=OmegaConf.to_container(agent.config.hydra.overrides.task),
+            hydra_cfg=OmegaConf.create({"hydra": agent.config.hydra}),
+            status=JobStatus.FAILED,
+            _return_value=outcome.get("error")
+            or ChildRankError(
+                f"The agent of job #{agent.number} (pid {agent.pid}) ended ({_exit_status(code)}) before"
+                " it handed back the job's result; the job's ranks ended with it. Its output is above."
+            ),
+        )
+        ended[agent.number] = ended[agent.number] or (0.0, f"{ret._return_value!r}")
+    ret.cfg = copy.deepcopy(agent.config)
+    with read_write(ret.cfg), open_dict(ret.cfg):
+        del ret.cfg["hydra"]
+    return ret
+
+
+def _exit_status(code: int) -> str:
+    return f"exit code {code}" + (f" (killed by {signal.Signals(-code).name})" if code < 0 else "")
+
+
+def _interruption(signum: int, seconds: float, killed: list) -> ChildRankError:
+    how = signal.Signals(signum).name + (" (Ctrl-C)" if signum == signal.SIGINT else "")
+    late = f"; rank(s) {killed} still running after the grace were killed (SIGKILL)" if killed else ""
+    return ChildRankError(f"The job was interrupted by {how} after {seconds:.1f} s{late}.")
+
+
 def _start_ranks(
-    job: contextlib.ExitStack, children: _ChildRanks, hydra_job: dict, rank_timeout: float
+    launcher: Any, job: contextlib.ExitStack, children: _ChildRanks, hydra_job: dict, server: Any
 ) -> list:
     """Claim the job's devices (let go of at ``job``'s end), start its ranks and say so. Return the list
     the fork server's thread appends each failed rank to."""
     config, job_dir = hydra_job["config"], children.job_dir
-    world = config.hydra.launcher.nproc_per_node
+    world, accelerator = config.hydra.launcher.nproc_per_node, config.hydra.launcher.accelerator
     if type(world) is not int or world < 1:
         raise RankLaunchError(
             f"hydra.launcher.nproc_per_node={world!r}: expected the number of ranks of the job, an int >= 1"
             " (e.g. hydra.launcher.nproc_per_node=2; by default the job's trainer.devices, else 1)."
         )
-    inventory = _gpu_inventory()  # torch.cuda.device_count(), which does not initialise CUDA
+    # the job's accelerator, not the node's: torch.cuda.device_count() does not initialise CUDA
+    inventory = _gpu_inventory() if accelerator in ("auto", "gpu", "cuda", None) else {}
     devices = tuple(torch.device("cuda" if inventory else "cpu", rank) for rank in range(world))
-    lightning = _NAMESPACES[_namespace_in_use()]
-    spec = _LaunchSpec(world, devices, "127.0.0.1", lightning, rank_timeout, None, None)
+    spec = _LaunchSpec(world, devices, "127.0.0.1", "", launcher.rank_timeout, None, None)
     placement = _placement(spec, job)
-    job.callback((job_dir / _LAUNCH_FILE).unlink, missing_ok=True)
-    _write_launch(job_dir / _LAUNCH_FILE, hydra_job, spec)
+    for leftover in (_RESULT_FILE, _LAUNCH_FILE):  # an earlier run's into this dir is never this one's
+        (job_dir / leftover).unlink(missing_ok=True)
+        job.callback((job_dir / leftover).unlink, missing_ok=True)
+    try:
+        _write_launch(job_dir / _LAUNCH_FILE, hydra_job, spec)
+    except RankLaunchError as why_not:  # a child cannot import the task function (or the config's classes)
+        server = _local_fork_server(hydra_job, why_not, server, launcher.write_end)
+    server.listen(children.said)
     env = _torchrun_env(world, config.hydra.job.num, placement, inventory)
     where = [f"cores {','.join(map(str, cores))}" for cores in placement.cores if cores is not None]
     log.info(
         f"hydra_fsdp: job #{config.hydra.job.num} starts ({' '.join(config.hydra.overrides.task)}): {world}"
         f" rank(s) on {env.get('CUDA_VISIBLE_DEVICES', ' | '.join(where) or 'every core')}, logs {job_dir}"
     )
-    server, delay, failures = _sweep.started_fork_server(lightning), _launch_delay(), []  # first first
+    delay, failures = _launch_delay(), []
     command = [sys.executable, os.path.abspath(__file__), str(job_dir / _LAUNCH_FILE)]
     for rank in range(world):
-        if rank and delay:
+        if rank == 1 and not launcher.together:
+            _wait_for_rank_0(children, int(env["MASTER_PORT"]), launcher.rank_timeout)
+        elif rank and delay:
             time.sleep(delay)
+        if children.procs and children.procs[0].poll() is not None:
+            break  # rank 0 ended first: its outcome is the job's
         env = {key: value for key, value in env.items() if key not in (_RANK_CORES_ENV, _RESULT_ENV)}
         env.update(RANK=str(rank), LOCAL_RANK=str(rank))
         if placement.cores[rank] is not None:
@@ -2402,8 +2584,70 @@ def _start_ranks(
         if rank == 0:
             env[_RESULT_ENV] = str(job_dir / _RESULT_FILE)
         on_failure = functools.partial(failures.append, rank)
-        children.add(rank, server.start(command, env, children.log(rank), rank_timeout, on_failure))
+        children.add(rank, server.start(command, env, children.log(rank), launcher.rank_timeout, on_failure))
     return failures
+
+
+def _local_fork_server(hydra_job: dict, why_not: Exception, unused: Any, write_end: int) -> _ForkServer:
+    """For a task function that a child cannot import by name (``why_not``): a fork of this agent, which
+    has it in memory (the agent is a fork of the sweep), serves the job's forks as the fork server does;
+    not where the sweep's process touched CUDA, since a fork of it cannot use CUDA."""
+    if unused is not None:
+        unused.conn.close()
+    in_bad_fork = getattr(torch.cuda, "_is_in_bad_fork", None)
+    if not callable(in_bad_fork):
+        raise _upstream_changed("torch.cuda._is_in_bad_fork", "tell whether a fork of the sweep can use CUDA")
+    if in_bad_fork():
+        raise RankLaunchError(
+            f"This job's ranks cannot start: {why_not} They would be forks of the sweep's process, which has"
+            " initialised CUDA (torch.cuda.is_available() does, at import of a script), and a fork of such a"
+            " process cannot use CUDA ('Cannot re-initialize CUDA in forked subprocess'). Define the task"
+            " function at the top level of an importable file, or start the sweep with"
+            " PYTORCH_NVML_BASED_CUDA_CHECK=1 (torch.cuda.is_available() then leaves CUDA alone)."
+        )
+    server = _ForkServer.__new__(_ForkServer)
+    server.imports, (server.conn, theirs) = [], socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    pid = os.fork()
+    if pid == 0:
+        global _child_job
+        _child_job = {
+            "task_function": hydra_job["task_function"],
+            "task_cfg": _job_config(hydra_job),
+            "whitelist": getattr(hydra_job["hydra_context"], "execution_whitelist", None),
+        }
+        server.conn.close()
+        os.close(write_end)  # the sweep reads the agent's end of the pipe until the agent alone closes it
+        _serve_forks([], theirs.fileno())
+    theirs.close()
+    # not this process's to reap: it ends as the agent does (its connection closes)
+    server.proc = types.SimpleNamespace(pid=pid, kill=functools.partial(os.kill, pid, signal.SIGKILL))
+    server.proc.wait = id
+    return server
+
+
+def _wait_for_rank_0(children: _ChildRanks, port: int, timeout: float) -> None:
+    """Lightning's order: ranks 1..N-1 start once rank 0 has built what it builds first (data, model,
+    loggers: a logger's database made once) and reached the process group, where it serves the job's store
+    on ``port``; or once it has exited (its outcome is then the job's)."""
+    rank_0 = children.procs[0]
+    if not _wait_until(children.said, lambda: _listening(port) or rank_0.poll() is not None, timeout):
+        raise ChildRankError(
+            f"Rank 0 did not reach the process group within {timeout:g} s (nothing listens on MASTER_PORT"
+            f"={port}), so the job's other ranks were not started: {children.describe(0)} Raise"
+            " hydra.launcher.rank_timeout if it builds for longer, or set"
+            " hydra.launcher.start_ranks_together=true if its ranks meet some other way."
+        )
+
+
+def _listening(port: int) -> bool:
+    """Whether a socket of this host listens on TCP ``port`` (the kernel's tables: no connection made)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                if state == "0A" and int(local.rpartition(":")[2], 16) == port:  # 0A: LISTEN
+                    return True
+    return False
 
 
 def _torchrun_env(world: int, number: int, placement: _Placement, inventory: dict) -> dict:
@@ -2418,27 +2662,6 @@ def _torchrun_env(world: int, number: int, placement: _Placement, inventory: dic
     if placement.gpus is not None:  # cuda:<LOCAL_RANK> is then the rank's GPU, for any strategy
         env["CUDA_VISIBLE_DEVICES"] = ",".join(inventory[gpu] for gpu in placement.gpus)
     return env
-
-
-@contextlib.contextmanager
-def _stepped_out(outside: dict, hydra_job: dict, machinery: threading.Lock) -> Any:
-    """While the job's ranks run, leave the sweep's process as run_job found it (its directory, environment),
-    for another job's run_job (n_jobs); then take back what this job's run_job set, its Hydra config and
-    logging too, before it goes on (the job's end: callbacks, the directory and environment put back)."""
-    cwd, env, root = os.getcwd(), {key: os.environ.get(key) for key in outside["env"]}, logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    os.chdir(outside["cwd"])
-    _restore_environ(outside["env"])
-    machinery.release()
-    try:
-        yield
-    finally:
-        machinery.acquire()
-        os.chdir(cwd)
-        _restore_environ(env)
-        HydraConfig.instance().set_config(hydra_job["config"])
-        root.handlers[:] = handlers
-        root.setLevel(level)
 
 
 def _outcome(children: _ChildRanks, failures: list, settled: bool, job_timeout: Any) -> Any:
@@ -2472,24 +2695,43 @@ def _outcome(children: _ChildRanks, failures: list, settled: bool, job_timeout: 
     raise ChildRankError(f"Rank {first} failed first: {children.describe(first)}")
 
 
+class _OnTheCPU(pickle.Pickler):
+    """Pickles a tensor as one on the CPU: unpickled on a GPU, it would start CUDA in the job's agent and
+    the sweep's process, on a GPU another job may hold."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+            return obj.cpu().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        return NotImplemented
+
+
 def _hand_back(**outcome: Any) -> None:
-    """Under the launcher, rank 0's return value (``value``) or exception (``error``), for the sweep's
-    process. What cannot be pickled is handed back as an error saying so."""
+    """Under the launcher, rank 0's return value (``value``) or exception (``error``), for the job's agent,
+    written whole or not at all. What cannot be pickled is handed back as an error saying so."""
     path = os.environ.get(_RESULT_ENV)
     if path is None:
         return
+    buffer = io.BytesIO()
     try:
-        pickled = pickle.dumps(outcome)
+        _OnTheCPU(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(outcome)
+        pickled = buffer.getvalue()
     except Exception as error:  # noqa: BLE001 - PicklingError, or what an object's own __reduce__ raises
-        what = "return value" if "value" in outcome else f"exception {outcome['error']!r}"
-        pickled = pickle.dumps(
-            {
-                "error": RankLaunchError(
-                    f"Rank 0's {what} cannot be pickled for the sweep: {error!r}. {_PLAIN}"
-                )
-            }
+        what = (
+            f"return value (a {type(outcome['value']).__qualname__})" if "value" in outcome else "exception"
         )
-    Path(path).write_bytes(pickled)
+        what = what if "value" in outcome else f"exception {outcome['error']!r}"
+        why = f"Rank 0's {what} cannot be pickled for the sweep: {error!r}. {_PLAIN}"
+        pickled = pickle.dumps({"error": RankLaunchError(why)})
+    _write_private(Path(path), pickled)
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """Write ``data`` at ``path`` whole (a reader never sees part of it), readable by its owner only: a
+    pickle runs what it says when a rank loads it."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}")
+    with os.fdopen(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as file:
+        file.write(data)
+    os.replace(temporary, path)
 
 
 def _log_summary(returns: list, ended: dict) -> None:
@@ -2497,7 +2739,7 @@ def _log_summary(returns: list, ended: dict) -> None:
     rows = []
     for ret in sorted(returns, key=lambda ret: ret.status is JobStatus.COMPLETED):
         number = ret.hydra_cfg.hydra.job.num
-        seconds, result = ended.get(number, (0.0, "-"))
+        seconds, result = ended.get(number) or (0.0, "-")
         row = f"  #{number:<4} {ret.status.name:<9} {seconds:6.1f} s  {' '.join(ret.overrides)}  {result}"
         rows.append(row.splitlines()[0][:300])
     failed = sum(ret.status is JobStatus.FAILED for ret in returns)
@@ -2509,12 +2751,35 @@ def _log_summary(returns: list, ended: dict) -> None:
 
 def _run_child_rank(config_path: str) -> None:
     """Run one child rank: the job's task function on the job's config, as rank 0 runs it. A fork of the
-    fork server calls it, and so does ``python hydra_fsdp.py <launch file>`` (``__main__``)."""
+    fork server calls it, and so does ``python hydra_fsdp.py <launch file>`` (``__main__``); under the
+    launcher, a fork of a job's agent has the job in memory (``_local_fork_server``)."""
     global _child_job
     if _RANK_CORES_ENV in os.environ:  # the rank's share of its job's cores (_placement), before any thread
         os.sched_setaffinity(0, map(int, os.environ[_RANK_CORES_ENV].split(",")))
-    _exit_with_parent()
+    _exit_with(os.getppid())
     faulthandler.register(_STACK_DUMP_SIGNAL, all_threads=True)
+    if _child_job is None:
+        _child_job = _launched_job(config_path)  # what _hydra_job finds here
+    _log_as_the_job(int(os.environ.get("RANK", os.environ["LOCAL_RANK"])))
+    if _CHILD_ENV in os.environ:  # started by rank 0 (not by the launcher, which starts every rank)
+        _child_store().get(_GO_KEY)  # rank 0 runs this job with this world size: run it here too
+    try:
+        with _execution_policy(_child_job["whitelist"]):
+            _hand_back(value=_child_job["task_function"](_child_job["task_cfg"]))
+        exit_code = 0
+    except BaseException as error:  # noqa: BLE001 - the job's error, as Hydra prints it, to the child's log
+        traceback.print_exc()
+        _hand_back(error=error)
+        exit_code = 1
+    # Exit now: at shutdown gloo's threads, of a group an FSDP module still holds, can abort the process.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
+
+
+def _launched_job(config_path: str) -> dict:
+    """The job a launch file (``_write_launch``) gives a child: its task function, config and whitelist."""
     launch = pickle.loads(Path(config_path).read_bytes())
     sys.path[:] = launch["sys_path"]
     sys.argv[:] = launch["sys_argv"]
@@ -2533,22 +2798,18 @@ def _run_child_rank(config_path: str) -> None:
         task_function = pickle.loads(launch["task"])
     else:  # the fallback's
         task_function = functools.partial(_run_config_contract, **launch["contract"])
-    _child_job = {"task_function": task_function, "task_cfg": task_cfg}  # what _hydra_job finds here
-    if _CHILD_ENV in os.environ:  # started by rank 0 (not by the launcher, which starts every rank)
-        _child_store().get(_GO_KEY)  # rank 0 runs this job with this world size: run it here too
-    try:
-        with _execution_policy(launch["whitelist"]):
-            _hand_back(value=task_function(task_cfg))
-        exit_code = 0
-    except BaseException as error:  # noqa: BLE001 - the job's error, as Hydra prints it, to the child's log
-        traceback.print_exc()
-        _hand_back(error=error)
-        exit_code = 1
-    # Exit now: at shutdown gloo's threads, of a group an FSDP module still holds, can abort the process.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(exit_code)
+    return {"task_function": task_function, "task_cfg": task_cfg, "whitelist": launch["whitelist"]}
+
+
+def _log_as_the_job(rank: int) -> None:
+    """Log as Hydra's run_job has its job log: every rank to its stdout (its ``rank_<r>.log``), rank 0 to the
+    job's ``<task name>.log`` too, beside the launcher's lines, as it would under Hydra's basic launcher."""
+    hydra = HydraConfig.get()
+    configure_log(hydra.job_logging, hydra.verbose)
+    for handler in logging.getLogger().handlers[:] if rank else ():
+        if isinstance(handler, logging.FileHandler):
+            logging.getLogger().removeHandler(handler)
+            handler.close()
 
 
 def _execution_policy(whitelist: Any) -> Any:
@@ -2616,18 +2877,6 @@ def _child_store() -> torch.distributed.TCPStore:
     return torch.distributed.TCPStore(address, port, is_master=False, timeout=_CHILD_STORE_TIMEOUT)
 
 
-def _exit_with_parent() -> None:
-    """End this child if the fork server dies without ending it (SIGKILL, a crash): never an orphan."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="hydra-fsdp-parent-watch", daemon=True).start()
-
-
 def _import_launching_script(main: dict) -> None:
     """Import rank 0's ``__main__`` as multiprocessing's spawn does (its ``if __name__ == "__main__":``
     block does not run), so that ``__main__.X`` resolves."""
@@ -2657,4 +2906,4 @@ if __name__ == "__main__":
         sys.exit(f"usage: python {__file__} <job dir>/{_LAUNCH_FILE}, in the environment _rank_launch shows")
     _server = json.loads(os.environ.pop(_SERVER_ENV))
     sys.path[:] = _server["sys_path"]
-    importlib.import_module(_server["module"])._serve_forks(_server["imports"], *_server["fds"])
+    importlib.import_module(_server["module"])._serve_forks(_server["imports"], _server["fd"])

@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import fcntl
 import functools
+import importlib
 import json
 import os
 import pickle
@@ -158,14 +159,14 @@ def test_the_fork_server_is_started_once_clean_of_the_job(tmp_path):
         "sys_path": sys.path,
         "module": "hydra_fsdp",
         "imports": ["pytorch_lightning", "hydra_zen"],
-        "fds": server["fds"],  # the replies' pipe, and that of requests to signal a child
+        "fd": server["fd"],  # its end of the owner's connection
     }
     assert env["PYTORCH_NVML_BASED_CUDA_CHECK"] == "1"  # a CUDA query never initialises CUDA there
     assert "JOB_ONLY" not in env and env["PATH"] == os.environ["PATH"]  # env_set is the children's own
     assert all(c.args[1]["JOB_ONLY"] == "1" for c in run.start.call_args_list)
-    # What it prints goes to rank 0's stderr; its replies, on a pipe of their own, are never mixed in.
-    assert (call.kwargs["stdin"], call.kwargs["stdout"]) == (subprocess.PIPE, 2)
-    assert call.kwargs["pass_fds"] == server["fds"]
+    # What it prints goes to rank 0's stderr; its replies, on connections of their own, are never mixed in.
+    assert (call.kwargs["stdin"], call.kwargs["stdout"]) == (subprocess.DEVNULL, 2)
+    assert call.kwargs["pass_fds"] == [server["fd"]]
 
 
 def test_the_child_gets_the_task_function_and_where_rank0_stands(tmp_path):
@@ -799,11 +800,11 @@ def test_a_signal_while_children_are_being_started_ends_every_one(tmp_path):
     adding = threading.Thread(target=children.add, args=(2, second))
     held_off = []
 
-    def rank_2_added_meanwhile():  # while the signal thread kills rank 1
+    def rank_2_added_meanwhile(signum):  # while the signal thread kills rank 1
         adding.start()
         held_off.append(lock.waited_on.wait(timeout=5))  # it waits for the signal's end to be done
 
-    first.kill.side_effect = rank_2_added_meanwhile
+    first.send_signal.side_effect = rank_2_added_meanwhile
     errors = []
     signal_thread = threading.Thread(target=lambda: errors.append(children.stop(signal.SIGTERM)))
     signal_thread.start()
@@ -1414,39 +1415,43 @@ def test_a_cpu_jobs_share_of_the_cores_is_what_its_launcher_runs_at_once(monkeyp
 
 
 def stand_in_server(proc):
-    """A _ForkServer around ``proc`` without a Hydra job: its reader and close are what is tested."""
+    """A _ForkServer around ``proc`` without a Hydra job, and the server's end of its connection: its
+    reader and close are what is tested."""
     server = hydra_fsdp._ForkServer.__new__(hydra_fsdp._ForkServer)
-    server.proc, server.said, server.started, server.exit_codes = proc, threading.Condition(), [], {}
-    server.on_failure, server.lost = {}, False
-    return server
+    server.proc, server.imports = proc, []
+    server.conn, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    return server, theirs
 
 
-def test_a_failed_childs_callback_that_raises_leaves_the_reader_reading(caplog):
-    """Its end would mark the live server lost: its running children read as killed, and the next job's
-    start would wait, unbounded, on the live server."""
-    read_end, write_end = os.pipe()
-    server = stand_in_server(None)
-    server.replies = os.fdopen(read_end, "rb")
-    later = mock.Mock()
-    server.on_failure = {11: mock.Mock(side_effect=RuntimeError("the abort failed")), 12: later}
-    reader = threading.Thread(target=server._read_replies, daemon=True)
-    reader.start()
-    os.write(write_end, b'{"exited": 11, "code": 1}\n{"exited": 12, "code": 1}\n')
+def test_a_failed_childs_callback_that_blocks_or_raises_leaves_the_reader_reading(caplog):
+    """A failed child's callback (its stage's abort: NCCL's can block) runs on a thread of its own: on the
+    reader's, one that blocked would hold every later reply, and one that raised would end the reader,
+    marking the live server lost (its running children read as killed, the next start unbounded)."""
+    server, theirs = stand_in_server(None)
+    released, later = threading.Event(), mock.Mock()
+    blocking = mock.Mock(side_effect=lambda: released.wait(30))
+    server.listen(threading.Condition())
+    server.on_failure = {10: blocking, 11: mock.Mock(side_effect=RuntimeError("the abort failed")), 12: later}
+    for pid in (10, 11, 12):
+        theirs.send(json.dumps({"exited": pid, "code": 1}).encode())
     with server.said:
         server.said.wait_for(lambda: 12 in server.exit_codes or server.lost, timeout=5)
-    assert 12 in server.exit_codes and not server.lost, "the reader ended with the callback's error"
-    later.assert_called_once_with()
-    assert "the abort failed" in caplog.text
-    os.close(write_end)
-    reader.join(timeout=5)
-    assert server.lost  # its replies ended: now it is
+    assert 12 in server.exit_codes and not server.lost, "the reader waited on, or ended with, a callback"
+    deadline = time.monotonic() + 5
+    while not (later.called and "the abort failed" in caplog.text) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert later.called and "the abort failed" in caplog.text
+    released.set()
+    theirs.close()
+    with server.said:  # its replies ended: now it is
+        assert server.said.wait_for(lambda: server.lost, timeout=5)
 
 
 def test_closing_a_server_stuck_on_a_child_is_bounded(monkeypatch):
     """The server reaps its children before it exits; one the kernel holds would hold the sweep's end."""
     monkeypatch.setattr(hydra_fsdp, "_KILL_WAIT", 0.5)
-    stuck = "import sys, time; sys.stdin.read(); time.sleep(60)"  # stdin closed, it still does not exit
-    server = stand_in_server(subprocess.Popen([sys.executable, "-c", stuck], stdin=subprocess.PIPE))
+    stuck = "import time; time.sleep(60)"  # its connection closed, it still does not exit
+    server, theirs = stand_in_server(subprocess.Popen([sys.executable, "-c", stuck]))
     started = time.monotonic()
     try:
         closing = threading.Thread(target=server.close, daemon=True)
@@ -1455,34 +1460,43 @@ def test_closing_a_server_stuck_on_a_child_is_bounded(monkeypatch):
         assert not closing.is_alive(), "close() still waits on the server"
         assert server.proc.poll() is not None and time.monotonic() - started < 5
     finally:
+        theirs.close()
         server.proc.kill()
         server.proc.wait()
 
 
 @pytest.fixture(scope="module")
 def chatty_fork_server(tmp_path_factory):
-    """A real fork server whose "Lightning" prints at import, as a banner or a notice on stdout would; a
-    child it forks sleeps (in its import of ``<lightning>.utilities.rank_zero``) until it is killed."""
+    """A real fork server whose "Lightning" prints at import, as a banner or a notice on stdout would."""
     lightning = tmp_path_factory.mktemp("stand_in") / "chatty_lightning"
-    (lightning / "utilities").mkdir(parents=True)
+    lightning.mkdir(parents=True)
     (lightning / "__init__.py").write_text("print('a banner, printed at import')\n")
-    (lightning / "utilities" / "__init__.py").write_text("")
-    (lightning / "utilities" / "rank_zero.py").write_text("import time\ntime.sleep(60)\n")
     hydra_config = SimpleNamespace(get=lambda: SimpleNamespace(job=SimpleNamespace(env_set={})))
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(lightning.parent))
         patch.setattr(hydra_fsdp, "HydraConfig", hydra_config)
-        server = hydra_fsdp._ForkServer("chatty_lightning", threading.Condition())
+        importlib.import_module("chatty_lightning")  # the sweep's: what the server imports too
+        server = hydra_fsdp._ForkServer("chatty_lightning", {}).listen(threading.Condition())
     yield server
     server.close()
+
+
+class SleepsWhenLoaded:
+    """A launch file of it keeps the child that loads it asleep, until it is killed."""
+
+    def __reduce__(self):
+        return time.sleep, (60,)
 
 
 def start_a_sleeping_child(server, log, timeout=60):
     """``server.start``, run on a thread: None where it did not return within ``timeout`` + 30 s."""
     env = dict(os.environ, LOCAL_RANK="1")
+    launch = log.with_name("sleeps.pickle")
+    launch.write_bytes(pickle.dumps(SleepsWhenLoaded()))
     started = []
     starting = threading.Thread(
-        target=lambda: started.append(server.start(["sleep"], env, log, timeout, lambda: None)), daemon=True
+        target=lambda: started.append(server.start(["sleep", str(launch)], env, log, timeout, lambda: None)),
+        daemon=True,
     )
     starting.start()
     starting.join(timeout + 30)

@@ -158,12 +158,15 @@ def test_every_rank_is_a_fresh_process_with_torchruns_environment(sweeps, sweep,
     assert len(pids) == 2 * len(trained)
 
 
-def test_the_sweeps_process_is_the_same_after_every_job(sweeps):
-    """Its threads and environment, whether the job trained, segfaulted or failed in a collective."""
-    app, _ = sweeps["faults"]
+def test_each_job_runs_hydras_job_machinery_in_an_agent_of_its_own(sweeps):
+    """Hydra's run_job (its callbacks: Record) runs for each job in a process of the job's own, never the
+    sweep's, whether the job trained, segfaulted or failed in a collective: what one job's machinery does to
+    its process no later job sees, and the sweep's process holds no lock while a job runs."""
+    app, run = sweeps["faults"]
     ended = [jobs(app)[job] for job in range(len(FAULTS))]
-    assert len({json.dumps(entry["threads"]) for entry in ended}) == 1, [entry["threads"] for entry in ended]
-    assert all(entry["environ"] == ended[0]["environ"] for entry in ended)
+    agents = {entry["sweep_pid"] for entry in ended}
+    assert len(agents) == len(FAULTS) and run.pid not in agents, (run.pid, agents)
+    assert all(entry["tasks_run_here"] == 0 for entry in ended)
 
 
 def test_the_lightning_hydra_template_trains_under_the_launcher(sweeps):

@@ -20,6 +20,8 @@ class LauncherConf:
     _target_: str = "hydra_plugins.hydra_fsdp_launcher.HydraFSDPLauncher"
     # ranks per job, read per job (torchrun's name): by default the job's own trainer.devices
     nproc_per_node: Any = "${oc.select:trainer.devices,1}"
+    # the job's accelerator, read per job: "cpu" claims cores, "gpu"/"cuda" GPUs, "auto" GPUs where there are
+    accelerator: Any = "${oc.select:trainer.accelerator,auto}"
     n_jobs: int = 1  # jobs at once (joblib's name), each on devices of its own
     job_timeout: Any = None  # seconds a job may run: then its ranks' stacks go to their logs and they end
     rank_timeout: float = 600.0  # seconds for the fork server to start a rank
