@@ -1363,6 +1363,46 @@ def test_a_claim_that_raises_anywhere_lets_go_of_every_device(tmp_path, monkeypa
             fcntl.flock(device, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: the claim still holds it
 
 
+def test_two_jobs_that_each_need_every_device_take_them_one_after_the_other(tmp_path, monkeypatch):
+    """Two claimers on one claims folder, 2 devices, each needing both, each pausing after taking its first
+    device's lock: one claims at a time (the queue's lock), so the second waits for the first to let go.
+    Without the queue each takes one device and waits for the other's, forever (a deadlock): here the
+    bounded join fails, and the test then lets go of the claimers' locks so that every thread ends."""
+    monkeypatch.setenv("HYDRA_FSDP_CLAIMS", str(tmp_path))
+    folder, locked_now = hydra_fsdp._claims_folder(), hydra_fsdp._locked_now
+    taken, start, claimed = {}, threading.Barrier(2), []  # by thread, the fds of the devices it took
+
+    def pausing(fd):  # a claimer's first device taken: the other claimer has time to take the second
+        free = locked_now(fd)
+        if free:
+            taken.setdefault(threading.get_ident(), []).append(fd)
+            time.sleep(1.0 if len(taken[threading.get_ident()]) == 1 else 0)
+        return free
+
+    monkeypatch.setattr(hydra_fsdp, "_locked_now", pausing)
+
+    def job():
+        start.wait(timeout=10)
+        with contextlib.ExitStack() as holds:
+            claimed.append(hydra_fsdp._claim(folder, "gpu", ["0", "1"], 2, holds))
+            time.sleep(0.3)  # the job runs on them, then lets go
+
+    claimers = [threading.Thread(target=job, daemon=True) for _ in range(2)]
+    for claimer in claimers:
+        claimer.start()
+    deadline = time.monotonic() + 15  # both within about 1.5 s, one after the other
+    for claimer in claimers:
+        claimer.join(timeout=max(0, deadline - time.monotonic()))
+    waiting = sum(claimer.is_alive() for claimer in claimers)
+    if waiting:  # each holds one device's lock: let go of them, each waiter then takes the other's
+        for fd in [fd for fds in taken.values() for fd in fds]:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        for claimer in claimers:
+            claimer.join(timeout=15)
+    assert not waiting, f"{waiting} claims still waiting after 15 s: each holds a device the other needs"
+    assert claimed == [[0, 1], [0, 1]]
+
+
 def test_the_gpus_a_sweep_may_claim_and_their_names_across_processes(tmp_path, monkeypatch):
     monkeypatch.setenv("HYDRA_FSDP_CLAIMS", str(tmp_path))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
