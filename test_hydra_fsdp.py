@@ -1403,6 +1403,58 @@ def test_two_jobs_that_each_need_every_device_take_them_one_after_the_other(tmp_
     assert claimed == [[0, 1], [0, 1]]
 
 
+def test_a_claims_folder_in_place_of_which_is_a_symlink_is_refused(tmp_path, monkeypatch):
+    """Another user may make /tmp/hydra_fsdp-<uid> first, a symlink to a folder of the victim's (which then
+    passes the owner and mode check) or to where they want files made: the folder is opened without
+    following it, and a symlink there is refused, naming it and where it points."""
+    mine, link = tmp_path / "mine", tmp_path / "claims"
+    mine.mkdir(mode=0o700)
+    for target in (mine, tmp_path / "nothing"):  # a folder of the user's own; nothing there yet
+        link.unlink(missing_ok=True)
+        link.symlink_to(target)
+        monkeypatch.setenv("HYDRA_FSDP_CLAIMS", str(link))
+        where = rf"in {re.escape(str(link))}, which is a symlink to {re.escape(str(target))};"
+        with pytest.raises(RankLaunchError, match=where + " expected a folder of your own"):
+            hydra_fsdp._claims_folder()
+        assert not list(mine.iterdir()) and not (tmp_path / "nothing").exists()
+    link.unlink()
+    link.write_text("")
+    with pytest.raises(RankLaunchError, match=rf"in {re.escape(str(link))}, which is not a directory;"):
+        hydra_fsdp._claims_folder()
+
+
+def test_the_launch_file_is_its_owners_alone_from_its_creation(tmp_path, monkeypatch):
+    """A pickle a rank loads (the launch file; rank 0's result) is readable and writable by its owner only,
+    whatever the umask, from the file's creation (never a chmod after): made 0o600 under a name of its own
+    and renamed over the path once whole, a file of another mode there replaced."""
+    write_private, replace, before, written = hydra_fsdp._write_private, os.replace, [], {}
+
+    def replacing(temp, path):  # the file as it is before anyone finds it at the path
+        before.append((os.stat(temp).st_mode & 0o777, Path(temp).read_bytes()))
+        replace(temp, path)
+
+    def writing(path, data):
+        write_private(path, data)
+        written[path] = path.stat().st_mode & 0o777
+
+    monkeypatch.setattr(hydra_fsdp, "_write_private", writing)
+    umask = os.umask(0)
+    try:
+        (tmp_path / "result").write_bytes(b"an older job's")
+        (tmp_path / "result").chmod(0o666)
+        with monkeypatch.context() as scoped:
+            scoped.setattr(os, "replace", replacing)
+            write_private(tmp_path / "result", b"this job's")
+        run = launch_with_mocked_children(tmp_path, HydraDDP, devices=2)
+    finally:
+        os.umask(umask)
+    assert before == [(0o600, b"this job's")] and (tmp_path / "result").read_bytes() == b"this job's"
+    assert (tmp_path / "result").stat().st_mode & 0o777 == 0o600
+    assert not list(tmp_path.glob(".result*")), "the file written under another name is left"
+    assert isinstance(run.error, _StopAfterSpawn) and run.launch is not None
+    assert written == {run.job_dir / "rank_config.pickle": 0o600}
+
+
 def test_the_gpus_a_sweep_may_claim_and_their_names_across_processes(tmp_path, monkeypatch):
     monkeypatch.setenv("HYDRA_FSDP_CLAIMS", str(tmp_path))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
