@@ -65,6 +65,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -394,8 +395,22 @@ def _write_launch(path: Path, hydra_job: dict, spec: "_LaunchSpec") -> bool:
         "contract": {"module_key": spec.module_key, "datamodule_key": spec.datamodule_key},
         "whitelist": getattr(hydra_job["hydra_context"], "execution_whitelist", None),  # hydra-core >= 1.4
     }
-    path.write_bytes(pickle.dumps(launch))
+    _write_private(path, pickle.dumps(launch))
     return task is not None
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """Write ``data`` at ``path`` (a pickle a rank loads), readable and writable by its owner only from its
+    creation: into a new file of its own (O_EXCL, mode 0o600), renamed over ``path`` once whole."""
+    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as file:
+            file.write(data)
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
 
 
 def _rank_launch(job: "_Job", hydra_job: dict) -> bool:
@@ -717,8 +732,19 @@ def _claims_folder() -> Path | None:
     if setting == "off":
         return None
     folder = Path(setting or f"/tmp/hydra_fsdp-{os.getuid()}")
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    found = folder.stat()
+    with contextlib.suppress(FileExistsError):
+        folder.mkdir(mode=0o700, parents=True)
+    try:  # the folder itself, never followed through a symlink: another user may make one in /tmp
+        fd = os.open(folder, os.O_RDONLY | os.O_NOFOLLOW | os.O_DIRECTORY)
+    except OSError as error:  # ELOOP: a symlink; ENOTDIR: a file
+        what = f"a symlink to {os.readlink(folder)}" if folder.is_symlink() else error.strerror.lower()
+        raise RankLaunchError(
+            f"hydra_fsdp keeps its jobs' claims on devices in {folder}, which is {what}; expected a folder of"
+            " your own, which it makes (it never follows a symlink). Remove it, or name a folder of your own:"
+            f" {_CLAIMS_ENV}=<folder> (or off: claim nothing)."
+        ) from None
+    found = os.fstat(fd)
+    os.close(fd)
     if found.st_uid != os.getuid() or found.st_mode & 0o022:
         raise RankLaunchError(
             f"hydra_fsdp keeps its jobs' claims on devices in {folder}, which is not yours alone (owner uid"

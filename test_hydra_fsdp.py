@@ -1364,6 +1364,98 @@ def test_a_claim_that_raises_anywhere_lets_go_of_every_device(tmp_path, monkeypa
             fcntl.flock(device, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: the claim still holds it
 
 
+def test_two_jobs_that_each_need_every_device_take_them_one_after_the_other(tmp_path, monkeypatch):
+    """Two claimers on one claims folder, 2 devices, each needing both, each pausing after taking its first
+    device's lock: one claims at a time (the queue's lock), so the second waits for the first to let go.
+    Without the queue each takes one device and waits for the other's, forever (a deadlock): here the
+    bounded join fails, and the test then lets go of the claimers' locks so that every thread ends."""
+    monkeypatch.setenv("HYDRA_FSDP_CLAIMS", str(tmp_path))
+    folder, locked_now = hydra_fsdp._claims_folder(), hydra_fsdp._locked_now
+    taken, start, claimed = {}, threading.Barrier(2), []  # by thread, the fds of the devices it took
+
+    def pausing(fd):  # a claimer's first device taken: the other claimer has time to take the second
+        free = locked_now(fd)
+        if free:
+            taken.setdefault(threading.get_ident(), []).append(fd)
+            time.sleep(1.0 if len(taken[threading.get_ident()]) == 1 else 0)
+        return free
+
+    monkeypatch.setattr(hydra_fsdp, "_locked_now", pausing)
+
+    def job():
+        start.wait(timeout=10)
+        with contextlib.ExitStack() as holds:
+            claimed.append(hydra_fsdp._claim(folder, "gpu", ["0", "1"], 2, holds))
+            time.sleep(0.3)  # the job runs on them, then lets go
+
+    claimers = [threading.Thread(target=job, daemon=True) for _ in range(2)]
+    for claimer in claimers:
+        claimer.start()
+    deadline = time.monotonic() + 15  # both within about 1.5 s, one after the other
+    for claimer in claimers:
+        claimer.join(timeout=max(0, deadline - time.monotonic()))
+    waiting = sum(claimer.is_alive() for claimer in claimers)
+    if waiting:  # each holds one device's lock: let go of them, each waiter then takes the other's
+        for fd in [fd for fds in taken.values() for fd in fds]:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        for claimer in claimers:
+            claimer.join(timeout=15)
+    assert not waiting, f"{waiting} claims still waiting after 15 s: each holds a device the other needs"
+    assert claimed == [[0, 1], [0, 1]]
+
+
+def test_a_claims_folder_in_place_of_which_is_a_symlink_is_refused(tmp_path, monkeypatch):
+    """Another user may make /tmp/hydra_fsdp-<uid> first, a symlink to a folder of the victim's (which then
+    passes the owner and mode check) or to where they want files made: the folder is opened without
+    following it, and a symlink there is refused, naming it and where it points."""
+    mine, link = tmp_path / "mine", tmp_path / "claims"
+    mine.mkdir(mode=0o700)
+    for target in (mine, tmp_path / "nothing"):  # a folder of the user's own; nothing there yet
+        link.unlink(missing_ok=True)
+        link.symlink_to(target)
+        monkeypatch.setenv("HYDRA_FSDP_CLAIMS", str(link))
+        where = rf"in {re.escape(str(link))}, which is a symlink to {re.escape(str(target))};"
+        with pytest.raises(RankLaunchError, match=where + " expected a folder of your own"):
+            hydra_fsdp._claims_folder()
+        assert not list(mine.iterdir()) and not (tmp_path / "nothing").exists()
+    link.unlink()
+    link.write_text("")
+    with pytest.raises(RankLaunchError, match=rf"in {re.escape(str(link))}, which is not a directory;"):
+        hydra_fsdp._claims_folder()
+
+
+def test_the_launch_file_is_its_owners_alone_from_its_creation(tmp_path, monkeypatch):
+    """A pickle a rank loads (the launch file; rank 0's result) is readable and writable by its owner only,
+    whatever the umask, from the file's creation (never a chmod after): made 0o600 under a name of its own
+    and renamed over the path once whole, a file of another mode there replaced."""
+    write_private, replace, before, written = hydra_fsdp._write_private, os.replace, [], {}
+
+    def replacing(temp, path):  # the file as it is before anyone finds it at the path
+        before.append((os.stat(temp).st_mode & 0o777, Path(temp).read_bytes()))
+        replace(temp, path)
+
+    def writing(path, data):
+        write_private(path, data)
+        written[path] = path.stat().st_mode & 0o777
+
+    monkeypatch.setattr(hydra_fsdp, "_write_private", writing)
+    umask = os.umask(0)
+    try:
+        (tmp_path / "result").write_bytes(b"an older job's")
+        (tmp_path / "result").chmod(0o666)
+        with monkeypatch.context() as scoped:
+            scoped.setattr(os, "replace", replacing)
+            write_private(tmp_path / "result", b"this job's")
+        run = launch_with_mocked_children(tmp_path, HydraDDP, devices=2)
+    finally:
+        os.umask(umask)
+    assert before == [(0o600, b"this job's")] and (tmp_path / "result").read_bytes() == b"this job's"
+    assert (tmp_path / "result").stat().st_mode & 0o777 == 0o600
+    assert not list(tmp_path.glob(".result*")), "the file written under another name is left"
+    assert isinstance(run.error, _StopAfterSpawn) and run.launch is not None
+    assert written == {run.job_dir / "rank_config.pickle": 0o600}
+
+
 def test_the_gpus_a_sweep_may_claim_and_their_names_across_processes(tmp_path, monkeypatch):
     monkeypatch.setenv("HYDRA_FSDP_CLAIMS", str(tmp_path))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)

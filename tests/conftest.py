@@ -37,6 +37,7 @@ LONGEST_FIRST = [
     "test_model_parallel",  # 100
     "test_ray",  # 81 (where Ray is installed)
     "test_external",  # 90
+    "test_hydra_launcher_suites",  # 90 (Hydra's launcher suites: 11 apps run with -m, 60 of them; 9 sweeps)
     "test_config_fidelity",  # 75
     "test_optuna",  # 70 (where hydra-optuna-sweeper is installed)
     "test_abort",  # 60
