@@ -2751,15 +2751,6 @@ def _hand_back(**outcome: Any) -> None:
     _write_private(Path(path), pickled)
 
 
-def _write_private(path: Path, data: bytes) -> None:
-    """Write ``data`` at ``path`` whole (a reader never sees part of it), readable by its owner only: a
-    pickle runs what it says when a rank loads it."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}")
-    with os.fdopen(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as file:
-        file.write(data)
-    os.replace(temporary, path)
-
-
 def _log_summary(returns: list, ended: dict) -> None:
     """The sweep's jobs, the failed first: the lines a long sweep's output is searched for."""
     rows = []
