@@ -2583,9 +2583,12 @@ def _start_ranks(
     for leftover in (_RESULT_FILE, _LAUNCH_FILE):  # an earlier run's into this dir is never this one's
         (job_dir / leftover).unlink(missing_ok=True)
         job.callback((job_dir / leftover).unlink, missing_ok=True)
+    why_not = None
     try:
         _write_launch(job_dir / _LAUNCH_FILE, hydra_job, spec)
-    except RankLaunchError as why_not:  # a child cannot import the task function (or the config's classes)
+    except RankLaunchError as error:  # a child cannot import the task function (or the config's classes)
+        why_not = error
+    if why_not is not None:  # forked here, not in the except: a fork would run the job in its context
         server = _local_fork_server(hydra_job, why_not, server, launcher.write_end)
     server.listen(children.said)
     env = _torchrun_env(world, config.hydra.job.num, placement, inventory)
@@ -2715,10 +2718,33 @@ def _outcome(children: _ChildRanks, failures: list, settled: bool, job_timeout: 
         return outcome["value"]
     if isinstance(outcome.get("error"), Exception):  # not rank 0's Ctrl-C: the sweep's to stop on
         _add_note(outcome["error"], f"Raised on {children.describe(0)}")
-        raise outcome["error"]
+        raise _with_failure(outcome["error"], outcome.get("sent"))
     if first is None:  # its result file gone or unwritable
         raise ChildRankError(f"Rank 0 handed back no return value at {result}: {children.describe(0)}")
     raise ChildRankError(f"Rank {first} failed first: {children.describe(first)}")
+
+
+def _failure_sent(error: BaseException) -> tuple | None:
+    """Rank 0's exception's traceback and cause, which pickling drops, where Hydra sends them on (hydra-core
+    >= 1.4's run_job hands them to the sweep, by its private serializers, which these are): else None."""
+    from hydra.core import utils
+
+    with contextlib.suppress(Exception):  # hydra-core 1.3, or they changed: the exception as pickled
+        return utils._serialize_traceback(error.__traceback__), utils._serialize_exception_chain(error)
+    return None
+
+
+def _with_failure(error: BaseException, sent: tuple | None) -> BaseException:
+    """Rank 0's exception made again in the job's agent with its traceback and cause (``_failure_sent``)."""
+    from hydra.core import utils
+
+    with contextlib.suppress(Exception):
+        frames, chain = sent
+        error = error.with_traceback(utils._deserialize_traceback(frames))
+        if chain:
+            relation, chained = utils._deserialize_exception_chain(chain)
+            setattr(error, f"__{relation}__", chained)
+    return error
 
 
 class _OnTheCPU(pickle.Pickler):
@@ -2737,6 +2763,8 @@ def _hand_back(**outcome: Any) -> None:
     path = os.environ.get(_RESULT_ENV)
     if path is None:
         return
+    if "error" in outcome:
+        outcome["sent"] = _failure_sent(outcome["error"])
     buffer = io.BytesIO()
     try:
         _OnTheCPU(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(outcome)

@@ -10,10 +10,21 @@ fixtures (hydra_sweep_runner, hydra_restore_singletons) are hydra-core's pytest 
 
 import pytest
 from hydra.core.plugins import Plugins
+from hydra.core.singleton import Singleton
 from hydra.plugins.launcher import Launcher
 from hydra.test_utils.launcher_common_tests import IntegrationTestSuite, LauncherTestSuite
+from hydra.version import VersionBase
 
 from hydra_plugins.hydra_fsdp_launcher import HydraFSDPLauncher
+
+
+@pytest.fixture(autouse=True)
+def no_version_base_of_an_earlier_module():
+    """As in a process of their own (Hydra's plugins run these suites alone): the suites expect Hydra's
+    default version base (``hydra.job.chdir`` true on 1.3), and a module run before in this process (by
+    pytest-xdist) may have left another in Hydra's VersionBase singleton, which Hydra's
+    ``hydra_restore_singletons`` puts back as it found it."""
+    Singleton._instances.pop(VersionBase, None)
 
 
 def test_discovery():
