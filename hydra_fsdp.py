@@ -2392,8 +2392,8 @@ class HydraFSDPLauncher(Launcher):
                 f"hydra.launcher.n_jobs={n_jobs!r}, job_timeout={job_timeout!r}: expected n_jobs an int >= 1"
                 " and job_timeout seconds > 0, or null for no limit."
             )
-        self.n_jobs, self.job_timeout, self.rank_timeout = n_jobs, job_timeout, rank_timeout
-        self.together, self.grace = start_ranks_together, shutdown_grace
+        self.n_jobs, self.job_timeout = n_jobs, job_timeout
+        self.grace = shutdown_grace  # the others are read per job, from its config (_job_spec)
 
     def setup(self, *, hydra_context: Any, task_function: Callable, config: DictConfig) -> None:
         self.hydra_context, self.task_function, self.config = hydra_context, task_function, config
@@ -2563,22 +2563,29 @@ def _interruption(signum: int, seconds: float, killed: list) -> ChildRankError:
     return ChildRankError(f"The job was interrupted by {how} after {seconds:.1f} s{late}.")
 
 
+def _job_spec(settings: DictConfig) -> tuple:
+    """The job's ranks and devices, read from its own ``hydra.launcher`` settings: on its accelerator, not
+    the node's (a CPU job on a node with GPUs claims cores). Its _LaunchSpec, and the GPUs it may claim."""
+    world = settings.nproc_per_node
+    if type(world) is not int or world < 1:
+        raise RankLaunchError(
+            f"hydra.launcher.nproc_per_node={world!r}: expected the number of ranks of the job, an int >= 1"
+            " (e.g. hydra.launcher.nproc_per_node=2; by default the job's trainer.devices, else 1)."
+        )
+    # torch.cuda.device_count() does not initialise CUDA
+    inventory = _gpu_inventory() if settings.accelerator in ("auto", "gpu", "cuda") else {}
+    devices = tuple(torch.device("cuda" if inventory else "cpu", rank) for rank in range(world))
+    return _LaunchSpec(world, devices, "127.0.0.1", "", settings.rank_timeout, None, None), inventory
+
+
 def _start_ranks(
     launcher: Any, job: contextlib.ExitStack, children: _ChildRanks, hydra_job: dict, server: Any
 ) -> list:
     """Claim the job's devices (let go of at ``job``'s end), start its ranks and say so. Return the list
     the fork server's thread appends each failed rank to."""
     config, job_dir = hydra_job["config"], children.job_dir
-    world, accelerator = config.hydra.launcher.nproc_per_node, config.hydra.launcher.accelerator
-    if type(world) is not int or world < 1:
-        raise RankLaunchError(
-            f"hydra.launcher.nproc_per_node={world!r}: expected the number of ranks of the job, an int >= 1"
-            " (e.g. hydra.launcher.nproc_per_node=2; by default the job's trainer.devices, else 1)."
-        )
-    # the job's accelerator, not the node's: torch.cuda.device_count() does not initialise CUDA
-    inventory = _gpu_inventory() if accelerator in ("auto", "gpu", "cuda", None) else {}
-    devices = tuple(torch.device("cuda" if inventory else "cpu", rank) for rank in range(world))
-    spec = _LaunchSpec(world, devices, "127.0.0.1", "", launcher.rank_timeout, None, None)
+    spec, inventory = _job_spec(config.hydra.launcher)
+    world = spec.world_size
     placement = _placement(spec, job)
     for leftover in (_RESULT_FILE, _LAUNCH_FILE):  # an earlier run's into this dir is never this one's
         (job_dir / leftover).unlink(missing_ok=True)
@@ -2600,8 +2607,8 @@ def _start_ranks(
     delay, failures = _launch_delay(), []
     command = [sys.executable, os.path.abspath(__file__), str(job_dir / _LAUNCH_FILE)]
     for rank in range(world):
-        if rank == 1 and not launcher.together:
-            _wait_for_rank_0(children, int(env["MASTER_PORT"]), launcher.rank_timeout)
+        if rank == 1 and not config.hydra.launcher.start_ranks_together:
+            _wait_for_rank_0(children, int(env["MASTER_PORT"]), spec.rank_timeout)
         elif rank and delay:
             time.sleep(delay)
         if children.procs and children.procs[0].poll() is not None:
@@ -2613,7 +2620,7 @@ def _start_ranks(
         if rank == 0:
             env[_RESULT_ENV] = str(job_dir / _RESULT_FILE)
         on_failure = functools.partial(failures.append, rank)
-        children.add(rank, server.start(command, env, children.log(rank), launcher.rank_timeout, on_failure))
+        children.add(rank, server.start(command, env, children.log(rank), spec.rank_timeout, on_failure))
     return failures
 
 

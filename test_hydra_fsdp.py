@@ -1503,6 +1503,56 @@ def test_a_cpu_jobs_share_of_the_cores_is_what_its_launcher_runs_at_once(monkeyp
     assert hydra_fsdp._cores_per_job(16) == max(1, share)
 
 
+@pytest.mark.parametrize("accelerator", ["cpu", "auto"])
+def test_a_launcher_jobs_accelerator_is_its_own_not_the_nodes(tmp_path, monkeypatch, accelerator):
+    """hydra/launcher=hydra_fsdp: a 2-rank job with trainer.accelerator=cpu on a node with 1 GPU claims
+    cores (it failed "asks for 2 gpus": the node decided); on auto, the GPU, which it cannot have 2 of."""
+    monkeypatch.setenv("HYDRA_FSDP_CLAIMS", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    config = OmegaConf.create({"launcher": {"n_jobs": 1}})
+    monkeypatch.setattr(hydra_fsdp, "HydraConfig", SimpleNamespace(get=lambda: config))
+    settings = OmegaConf.create({"nproc_per_node": 2, "accelerator": accelerator, "rank_timeout": 60})
+    spec, inventory = hydra_fsdp._job_spec(settings)
+    with contextlib.ExitStack() as job:
+        if accelerator == "auto":
+            with pytest.raises(RankLaunchError, match="asks for 2 gpus"):
+                hydra_fsdp._placement(spec, job)
+            return
+        placement = hydra_fsdp._placement(spec, job)
+    assert inventory == {} and [device.type for device in spec.devices] == ["cpu", "cpu"]
+    assert placement.gpus is None and all(cores for cores in placement.cores)
+
+
+class OnAGPU(torch.Tensor):
+    """A tensor that says it is on a GPU (none here), as one rank 0 returns from cuda:0 would."""
+
+    moved = []
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+    def cpu(self):
+        OnAGPU.moved.append(self)
+        return self.as_subclass(torch.Tensor)
+
+
+def test_rank_0s_tensors_come_back_on_the_cpu_and_what_cannot_be_pickled_is_named(tmp_path, monkeypatch):
+    """Unpickled as it was, a CUDA tensor would start CUDA in the job's agent and in the sweep's process, on
+    cuda:0, a GPU another job may hold. The result file is written whole, its owner's alone."""
+    result = tmp_path / "rank_0.result.pickle"
+    monkeypatch.setenv("HYDRA_FSDP_RESULT", str(result))
+    on_a_gpu = torch.arange(3.0).as_subclass(OnAGPU)
+    hydra_fsdp._hand_back(value={"metric": on_a_gpu, "plain": torch.ones(1)})
+    handed = pickle.loads(result.read_bytes())["value"]
+    assert OnAGPU.moved == [on_a_gpu] and type(handed["metric"]) is torch.Tensor
+    assert handed["metric"].tolist() == [0.0, 1.0, 2.0] and handed["plain"].tolist() == [1.0]
+    assert result.stat().st_mode & 0o777 == 0o600 and [p.name for p in tmp_path.iterdir()] == [result.name]
+    hydra_fsdp._hand_back(value=threading.Lock())
+    error = pickle.loads(result.read_bytes())["error"]
+    assert "Rank 0's return value (a lock) cannot be pickled" in str(error)
+
+
 # --------------------------------------------------------------------------- the fork server's own bounds
 
 

@@ -5,8 +5,11 @@ app's Record callback writes what Hydra's callbacks see in the sweep's process, 
 
 import functools
 import json
+import pickle
 import shutil
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +19,9 @@ from helpers import (
     FAULT_BOUND,
     FSDP_ON_CPU,
     SWEEP_TIMEOUT,
+    Run,
     alive,
+    app_env,
     copy_template,
     records,
     run_side_by_side,
@@ -69,6 +74,20 @@ def sweeps(tmp_path_factory):
     )
     add("timeout", "hydra.launcher.nproc_per_node=2", "hydra.launcher.job_timeout=10", "case=hang,plain")
     add("mismatch", "hydra.launcher.nproc_per_node=1", "strategy=ddp,hydra")  # the Trainer asks for 2
+    # rank 0 hands back nothing (an earlier run's result in its dir), or what cannot be pickled
+    add("results", "hydra.launcher.nproc_per_node=1", "case=exit,unpicklable")
+    stale = apps["results"] / "sweep" / "0" / "rank_0.result.pickle"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(pickle.dumps({"value": "an earlier run's"}))
+    # Lightning's order (rank 1 once rank 0 reached the group), then torchrun's (together), read per job
+    add("order", "hydra.launcher.nproc_per_node=2", "hydra.launcher.start_ranks_together=${together}",
+        "case=slow_build", "together=false,true")  # fmt: skip
+    # a task function no child can import by name: ranks are forks of the job's agent
+    apps["closure"] = launcher_app(tmp_path_factory.mktemp("closure"))
+    starts["closure"] = functools.partial(
+        start_sweep, apps["closure"], *LAUNCHER, "hydra.launcher.nproc_per_node=2", "strategy=hydra,torch",
+        env={"LAUNCHER_APP_CLOSURE": "1"},
+    )  # fmt: skip
     meeting = tmp_path_factory.mktemp("meeting")
     add("n_jobs", *N_JOBS, f"meet_in={meeting}")
     if FSDP_ON_CPU:  # the example's default strategy is HydraFSDP, which Lightning < 2.3 refuses on the CPU
@@ -132,6 +151,7 @@ def test_a_rank_killed_while_rank_0_waits_in_init_process_group_fails_its_job_in
 
 
 TRAINED_BY = [("faults", "DDPStrategy"), *(("strategies", name) for name in STRATEGIES.values())]
+TRAINED_BY += [("closure", "HydraDDP"), ("closure", "init_process_group")]
 
 
 @pytest.mark.parametrize(("sweep", "strategy"), TRAINED_BY)
@@ -187,7 +207,7 @@ def test_the_lightning_hydra_template_trains_under_the_launcher(sweeps):
     assert "2 job(s), 0 failed" in run.text() and "returned tensor(" in run.text()
 
 
-@pytest.mark.parametrize("sweep", ["faults", "strategies", "timeout", "n_jobs", "mismatch"])
+@pytest.mark.parametrize("sweep", ["faults", "strategies", "timeout", "n_jobs", "mismatch", "closure"])
 def test_the_sweeps_process_never_trains(sweeps, sweep):
     app, _ = sweeps[sweep]
     ranks = {record["pid"] for job in jobs(app) for record in seen(app, job).values()}
@@ -216,6 +236,78 @@ def test_the_sweep_ends_with_a_summary_the_failed_jobs_first(sweeps):
     rows = [line.split()[0] for line in summary.splitlines()[1:7]]
     assert rows == ["#0", "#3", "#5", "#1", "#2", "#4"], summary[:2000]
     assert "job #3 starts (case=collective): 2 rank(s)" in run.text()
+
+
+def test_a_result_rank_0_never_handed_back_is_never_an_earlier_runs_and_one_it_cannot_is_named(sweeps):
+    """Job 0's rank 0 exits without a result, into a dir holding an earlier run's; job 1's returns a lock."""
+    app, run = sweeps["results"]
+    ended = jobs(app)
+    assert [ended[job]["status"] for job in (0, 1)] == ["FAILED", "FAILED"], run.text()[-3000:]
+    assert "handed back no return value" in ended[0]["error"], ended[0]["error"]
+    assert "an earlier run's" not in run.text()
+    assert "return value (a lock) cannot be pickled" in ended[1]["error"], ended[1]["error"]
+    assert not list(app.glob("sweep/*/*.pickle")), "a result or launch file was left in a job's dir"
+
+
+def test_rank_0_logs_to_the_jobs_log_beside_the_launchers_lines_and_rank_n_to_its_own(sweeps):
+    """As under Hydra's basic launcher: the task's logging lines, at the job's levels, in
+    <job dir>/<task name>.log; rank N's in rank_N.log with its output."""
+    app, _ = sweeps["strategies"]
+    for job in jobs(app):
+        job_dir = app / "sweep" / str(job)
+        job_log = (job_dir / "app.log").read_text()
+        assert f"[launcher_app][INFO] - rank 0 runs job {job}" in job_log, job_log
+        assert f"hydra_fsdp: job #{job} starts" in job_log and "rank 1 runs" not in job_log
+        assert f"rank 1 runs job {job}" in (job_dir / "rank_1.log").read_text()
+
+
+def test_ranks_start_in_lightnings_order_or_together_as_asked(sweeps):
+    """Rank 1 starts once rank 0, which builds for 3 s first, has reached the process group (a logger's
+    database made by rank 0 alone, then opened by the others); with start_ranks_together, 1 s after it
+    (MUSHIN_DDP_LAUNCH_DELAY), as torchrun would."""
+    app, run = sweeps["order"]
+    assert [jobs(app)[job]["status"] for job in (0, 1)] == ["COMPLETED"] * 2, run.text()[-3000:]
+    meets = [float((app / "sweep" / str(job) / "meets_rank0").read_text()) for job in (0, 1)]
+    rank_1_started = [seen(app, job)[1]["started_at"] for job in (0, 1)]
+    assert rank_1_started[0] >= meets[0], "rank 1 started before rank 0 reached the process group"
+    assert rank_1_started[1] < meets[1] - 1, "start_ranks_together: rank 1 waited for rank 0"
+
+
+def test_more_jobs_at_once_than_cores_each_wait_their_turn_and_the_sweep_completes(tmp_path):
+    """3 one-rank jobs, n_jobs=2, on one core (taskset): the second job waits in its own agent for the
+    core, saying so once, while the first ends and lets it go; the third then. Threads of one process
+    under a lock hung here: a waiting job held the lock the finished one needed to end."""
+    app = launcher_app(tmp_path / "app")
+    command = ["taskset", "-c", "0", sys.executable, "app.py", "-m", "hydra.sweep.dir=sweep", *LAUNCHER]
+    command += ["hydra.launcher.n_jobs=2", "devices=1", "lr=0.1,0.2,0.3"]
+    run = Run(command, app, app_env()).wait(FAULT_BOUND)
+    assert run.returncode == 0, run.text()[-6000:]
+    assert [jobs(app)[job]["status"] for job in range(3)] == ["COMPLETED"] * 3
+    assert run.text().count("waits for 1 free cpus") >= 1, run.text()[-3000:]
+    assert "3 job(s), 0 failed" in run.text()
+
+
+def test_a_sweep_that_touched_cuda_fails_a_closures_jobs_at_once_naming_the_fix(tmp_path):
+    """Its ranks would be forks of the sweep's process, which called torch.cuda.is_available() (the app
+    does, at import): a fork of it cannot use CUDA. Where this torch build has CUDA (CI's floor and newest
+    stacks: PyPI's CUDA builds; no GPU needed)."""
+    probe = (
+        "import os, torch; torch.cuda.is_available(); pid = os.fork()\n"
+        "if pid == 0: os._exit(10 + torch.cuda._is_in_bad_fork())\n"
+        "print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))"
+    )
+    poisoned = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=False)
+    poisoned = poisoned.stdout.strip()
+    if poisoned != "11":
+        pytest.skip(f"torch {torch.__version__}: a fork after torch.cuda.is_available() can use CUDA here")
+    app = launcher_app(tmp_path / "app")
+    env = {"LAUNCHER_APP_CLOSURE": "1", "LAUNCHER_APP_TOUCH_CUDA": "1"}
+    run = start_sweep(app, *LAUNCHER, "hydra.launcher.nproc_per_node=2", "lr=0.1,0.2", env=env)
+    run.wait(FAULT_BOUND)
+    assert run.returncode != 0 and not list(app.glob("sweep/*/seen"))
+    for job in (0, 1):
+        assert jobs(app)[job]["status"] == "FAILED" and jobs(app)[job]["seconds"] < 10, jobs(app)[job]
+        assert "PYTORCH_NVML_BASED_CUDA_CHECK=1" in jobs(app)[job]["error"], jobs(app)[job]["error"]
 
 
 def test_job_timeout_ends_a_hung_job_and_the_next_job_runs(sweeps):

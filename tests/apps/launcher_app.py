@@ -12,7 +12,14 @@ it; ``case`` picks what a job does:
   ``init_process_group``, where no process group exists yet to abort;
 - ``hang``: rank 1 sleeps while rank 0 waits for it in an all_reduce (for job_timeout, or a signal);
 - ``meet``: one rank per job, waiting for the other job's (``meet_in``): jobs at once, no training
-  (``accelerator=gpu``: on a GPU each).
+  (``accelerator=gpu``: on a GPU each);
+- ``exit``: rank 0 exits (status 0) before it returns anything;
+- ``unpicklable``: rank 0 returns a lock, which cannot be pickled;
+- ``slow_build``: rank 0 builds for 3 s (a sleep) before it meets the other ranks in the process group.
+
+Every rank logs "rank <r> runs job <n>" (logger ``launcher_app``) as it starts. With
+``LAUNCHER_APP_CLOSURE=1`` the task function is a closure, which a child cannot import by name; with
+``LAUNCHER_APP_TOUCH_CUDA=1`` the script calls ``torch.cuda.is_available()`` as it is imported.
 
 ``+hydra.callbacks.record._target_=__main__.Record`` records, in the sweep's process, each job's end as
 Hydra's callbacks see it, with that process's own state, in <sweep dir>/jobs.jsonl.
@@ -20,6 +27,7 @@ Hydra's callbacks see it, with that process's own state, in <sweep dir>/jobs.jso
 
 import ctypes
 import json
+import logging
 import os
 import signal
 import threading
@@ -49,6 +57,7 @@ class Config:
     devices: int = 2
     accelerator: str = "cpu"
     meet_in: str = ""
+    together: bool = False  # hydra.launcher.start_ranks_together=${together}: read per job
 
 
 class Tiny(pl.LightningModule):
@@ -177,6 +186,17 @@ def task(cfg):
     TASKS_RUN_HERE += 1
     rank = int(os.environ["RANK"])
     job_dir = Path(HydraConfig.get().runtime.output_dir)
+    started_at = time.time()
+    logging.getLogger("launcher_app").info(f"rank {rank} runs job {HydraConfig.get().job.num}")
+    if cfg.case == "exit" and rank == 0:
+        os._exit(0)
+    if cfg.case == "unpicklable" and rank == 0:
+        return threading.Lock()
+    if cfg.case == "slow_build":
+        time.sleep(3 if rank == 0 else 0)
+        (job_dir / f"meets_rank{rank}").write_text(str(time.time()))
+        torch.distributed.init_process_group("gloo")
+        torch.distributed.destroy_process_group()
     if cfg.case == "segfault" and rank == 0:
         ctypes.string_at(0)
     if cfg.case == "double":
@@ -202,6 +222,7 @@ def task(cfg):
         default_dtype=str(torch.get_default_dtype()),
         tasks_run_here=TASKS_RUN_HERE,
         affinity=sorted(os.sched_getaffinity(0)),
+        started_at=started_at,
         cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
     )
     (job_dir / "seen").mkdir(exist_ok=True)
@@ -237,5 +258,17 @@ class Record(Callback):
 
 ConfigStore.instance().store(name="config", node=Config)
 
+if os.environ.get("LAUNCHER_APP_TOUCH_CUDA"):
+    torch.cuda.is_available()
+
+
+def closure_of(run):
+    def closure(cfg):  # a function no child can import by name
+        return run(cfg)
+
+    return closure
+
+
 if __name__ == "__main__":
-    hydra.main(config_name="config", config_path=None, version_base="1.3")(task)()
+    main = closure_of(task) if os.environ.get("LAUNCHER_APP_CLOSURE") else task
+    hydra.main(config_name="config", config_path=None, version_base="1.3")(main)()
