@@ -793,10 +793,8 @@ def _claim_in_turn(folder: Path, kind: str, inventory: list, count: int, job: co
                 f" {', '.join(holders)}). It starts as soon as enough are free."
             )
             for index in busy:
-                args = (files[index], index, free, changed, done)
-                threading.Thread(
-                    target=_take_when_free, args=args, name="hydra-fsdp-claim", daemon=True
-                ).start()
+                take = functools.partial(_take_when_free, files[index], index, free, changed, done)
+                threading.Thread(target=take, name="hydra-fsdp-claim", daemon=True).start()
                 waiting.append(index)
         with changed:  # bounded by the holders' lives: the kernel lets go of their locks when they end
             changed.wait_for(lambda: len(free) >= count)
@@ -962,8 +960,7 @@ class _Sweep(Callback):
                 " job is running here. Call trainer.fit/test/... in a Hydra task function (@hydra.main,"
                 " hydra_zen.zen, hydra_zen.launch), or use Lightning's own strategy outside Hydra."
             )
-        job = self.job
-        if job is not None and job.job_return is hydra_job.get("ret"):
+        if (job := self.job) is not None and job.job_return is hydra_job.get("ret"):
             if job.spec == spec:
                 return job
             if job.released:
@@ -1754,12 +1751,11 @@ def _check_ranks_agree(strategy: "_HydraStrategy") -> None:
     if not differing:
         return
 
-    def shown(value: Any) -> str:
-        return "[" + ", ".join(value) + "]" if isinstance(value, list) else repr(value)
+    def shown(rank: int, value: Any) -> str:
+        return f"rank {rank} " + ("[" + ", ".join(value) + "]" if isinstance(value, list) else repr(value))
 
     differences = [
-        f"  {key}: "
-        + ", ".join(f"rank {rank} {shown(ran.get(key, '<missing>'))}" for rank, ran in enumerate(everyone))
+        f"  {key}: " + ", ".join(shown(rank, ran.get(key, "<missing>")) for rank, ran in enumerate(everyone))
         for key in differing[:_DIFFERENCES_SHOWN]
     ]
     more = len(differing) - _DIFFERENCES_SHOWN
@@ -2262,10 +2258,8 @@ def _strategies_for(namespace: str, fabric: bool = False) -> types.SimpleNamespa
         attributes = {"__module__": __name__, "__qualname__": qualname, "__doc__": public.__doc__}
         return type(public.__name__, bases, {**attributes, "_lightning": lightning})
 
-    setup_model = getattr(strategies.FSDPStrategy, "_setup_model", None)
-    if not fabric and (
-        not callable(setup_model) or setup_model is getattr(strategies.Strategy, "_setup_model", None)
-    ):
+    setup = getattr(strategies.FSDPStrategy, "_setup_model", None)  # its own, which _HydraFSDP's overrides
+    if not fabric and (not callable(setup) or setup is getattr(strategies.Strategy, "_setup_model", None)):
         raise _upstream_changed(f"{lightning.__name__}'s FSDPStrategy._setup_model", "wrap the module once")
     return types.SimpleNamespace(
         HydraDDP=build(HydraDDP, _HydraFabricStrategy if fabric else _HydraStrategy, strategies.DDPStrategy),
@@ -2900,8 +2894,8 @@ def _import_launching_script(main: dict) -> None:
     if "module" in main:
         namespace = runpy.run_module(main["module"], run_name="__mp_main__", alter_sys=False)
     elif "path" in main:
-        script_dir = os.path.dirname(main["path"])
-        if script_dir not in sys.path:  # as `python script.py` has it (a submitit worker's does not)
+        # on sys.path as `python script.py` has it (a submitit worker's does not)
+        if (script_dir := os.path.dirname(main["path"])) not in sys.path:
             sys.path.insert(0, script_dir)
         namespace = runpy.run_path(main["path"], run_name="__mp_main__")
     else:
