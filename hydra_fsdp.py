@@ -1700,11 +1700,9 @@ class _HydraRankLauncher:
                 f"num_nodes={strategy.num_nodes}, but hydra_fsdp starts child ranks on one node only."
                 " Across nodes, let torchrun or SLURM start every rank."
             )
-        lightning, address = strategy._lightning.__name__, env.main_address
-        devices = tuple(strategy.parallel_devices)
-        spec = _LaunchSpec(
-            strategy.world_size, devices, address, lightning, strategy.rank_timeout, **strategy._config_keys
-        )
+        devices, lightning = tuple(strategy.parallel_devices), strategy._lightning.__name__
+        spec = _LaunchSpec(strategy.world_size, devices, env.main_address, lightning, strategy.rank_timeout,
+                           **strategy._config_keys)  # fmt: skip
         job = _sweep.job_for(spec, hydra_job)
         strategy._job_gpus = job.placement.gpus
         try:
@@ -1893,14 +1891,8 @@ class _HydraStrategy:
 
     _lightning: types.ModuleType
 
-    def __init__(
-        self,
-        *args: Any,
-        rank_timeout: float = DEFAULT_RANK_TIMEOUT,
-        module_key: str = "module",
-        datamodule_key: str = "datamodule",
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, *args: Any, rank_timeout: float = DEFAULT_RANK_TIMEOUT, module_key: str = "module",
+                 datamodule_key: str = "datamodule", **kwargs: Any) -> None:  # fmt: skip
         if type(rank_timeout) is bool or not isinstance(rank_timeout, (int, float)) or not rank_timeout > 0:
             raise ValueError(
                 f"rank_timeout={rank_timeout!r}: expected seconds > 0 (default {DEFAULT_RANK_TIMEOUT:g})."
@@ -2050,13 +2042,9 @@ def _sharded(strategy: Any, model: torch.nn.Module, setup: Callable, kwargs: dic
     wrapping = strategy.root_device.type == "cpu" and not wrapped
     if wrapping:
         model = fsdp.FullyShardedDataParallel(
-            module=model,
-            cpu_offload=strategy.cpu_offload,
-            mixed_precision=strategy.mixed_precision_config,
-            sharding_strategy=strategy.sharding_strategy,
-            device_id=strategy.root_device,
-            **kwargs,
-        )
+            module=model, cpu_offload=strategy.cpu_offload, mixed_precision=strategy.mixed_precision_config,
+            sharding_strategy=strategy.sharding_strategy, device_id=strategy.root_device, **kwargs
+        )  # fmt: skip
     # Lightning warns about an auto_wrap_policy given with a model wrapped already, and drops it: the
     # wrapper above applied it, so Lightning is not shown it (and it is put back for the next stage).
     # A model the user wrapped keeps the warning: the policy was not applied.
