@@ -228,8 +228,7 @@ def _types_of(config: Any) -> Any:
 def _each_value(config: Any, value_of: Callable) -> dict:
     """``value_of`` each value of a DictConfig or ListConfig, by key or index; where a value cannot be
     read, the value as written."""
-    values: dict = {}
-    as_written = None
+    values, as_written = {}, None  # as_written: the whole config as written, made at the first such value
     for key in config.keys() if isinstance(config, DictConfig) else range(len(config)):
         try:
             values[key] = value_of(config[key])
@@ -1903,8 +1902,7 @@ class _HydraStrategy:
                 raise ValueError(f"{name}={key!r}: expected the non-empty name of a key of the job's config.")
         _check_versions(self._lightning, type(self).__name__)
         super().__init__(*args, **kwargs)
-        self.rank_timeout = rank_timeout
-        self._config_keys = config_keys
+        self.rank_timeout, self._config_keys = rank_timeout, config_keys
         self._stage_ckpt_path: str | None = None
         self._job_gpus: list | None = None  # the GPUs this rank's job holds, by rank (see _placement)
 
@@ -2858,8 +2856,7 @@ def _run_config_contract(task_cfg: DictConfig, module_key: str, datamodule_key: 
     announces, until it announces the end of the job."""
     trainer = instantiate(task_cfg.trainer)
     module = instantiate(task_cfg[module_key])
-    datamodule = None
-    store = _child_store()
+    datamodule, store = None, _child_store()  # the datamodule made at the first stage that takes one
     for number in itertools.count():
         stage = json.loads(store.get(_STAGE_KEY.format(number)))
         if stage is None:
