@@ -2844,8 +2844,7 @@ def _check_resolved_as_on_rank_0(task_cfg: DictConfig, on_rank_0: dict) -> None:
 
 def _set_hydra_config(hydra: dict) -> None:
     """Make rank 0's resolved Hydra config this process's ``HydraConfig``, read-only as Hydra's."""
-    hydra_cfg = OmegaConf.create({"hydra": hydra})
-    OmegaConf.set_readonly(hydra_cfg, True)
+    hydra_cfg = OmegaConf.create({"hydra": hydra}, flags={"readonly": True})
     HydraConfig.instance().cfg = hydra_cfg  # set_config() wants Hydra's schema, which plugins extend
     if not HydraConfig.initialized() or HydraConfig.get() is not hydra_cfg.hydra:
         raise _upstream_changed("HydraConfig.instance().cfg", "give the child rank the job's Hydra config")
