@@ -228,8 +228,7 @@ def _types_of(config: Any) -> Any:
 def _each_value(config: Any, value_of: Callable) -> dict:
     """``value_of`` each value of a DictConfig or ListConfig, by key or index; where a value cannot be
     read, the value as written."""
-    values: dict = {}
-    as_written = None
+    values, as_written = {}, None  # as_written: the whole config as written, made at the first such value
     for key in config.keys() if isinstance(config, DictConfig) else range(len(config)):
         try:
             values[key] = value_of(config[key])
@@ -793,10 +792,8 @@ def _claim_in_turn(folder: Path, kind: str, inventory: list, count: int, job: co
                 f" {', '.join(holders)}). It starts as soon as enough are free."
             )
             for index in busy:
-                args = (files[index], index, free, changed, done)
-                threading.Thread(
-                    target=_take_when_free, args=args, name="hydra-fsdp-claim", daemon=True
-                ).start()
+                take = functools.partial(_take_when_free, files[index], index, free, changed, done)
+                threading.Thread(target=take, name="hydra-fsdp-claim", daemon=True).start()
                 waiting.append(index)
         with changed:  # bounded by the holders' lives: the kernel lets go of their locks when they end
             changed.wait_for(lambda: len(free) >= count)
@@ -962,8 +959,7 @@ class _Sweep(Callback):
                 " job is running here. Call trainer.fit/test/... in a Hydra task function (@hydra.main,"
                 " hydra_zen.zen, hydra_zen.launch), or use Lightning's own strategy outside Hydra."
             )
-        job = self.job
-        if job is not None and job.job_return is hydra_job.get("ret"):
+        if (job := self.job) is not None and job.job_return is hydra_job.get("ret"):
             if job.spec == spec:
                 return job
             if job.released:
@@ -1703,11 +1699,9 @@ class _HydraRankLauncher:
                 f"num_nodes={strategy.num_nodes}, but hydra_fsdp starts child ranks on one node only."
                 " Across nodes, let torchrun or SLURM start every rank."
             )
-        lightning, address = strategy._lightning.__name__, env.main_address
-        devices = tuple(strategy.parallel_devices)
-        spec = _LaunchSpec(
-            strategy.world_size, devices, address, lightning, strategy.rank_timeout, **strategy._config_keys
-        )
+        devices, lightning = tuple(strategy.parallel_devices), strategy._lightning.__name__
+        spec = _LaunchSpec(strategy.world_size, devices, env.main_address, lightning, strategy.rank_timeout,
+                           **strategy._config_keys)  # fmt: skip
         job = _sweep.job_for(spec, hydra_job)
         strategy._job_gpus = job.placement.gpus
         try:
@@ -1754,12 +1748,11 @@ def _check_ranks_agree(strategy: "_HydraStrategy") -> None:
     if not differing:
         return
 
-    def shown(value: Any) -> str:
-        return "[" + ", ".join(value) + "]" if isinstance(value, list) else repr(value)
+    def shown(rank: int, value: Any) -> str:
+        return f"rank {rank} " + ("[" + ", ".join(value) + "]" if isinstance(value, list) else repr(value))
 
     differences = [
-        f"  {key}: "
-        + ", ".join(f"rank {rank} {shown(ran.get(key, '<missing>'))}" for rank, ran in enumerate(everyone))
+        f"  {key}: " + ", ".join(shown(rank, ran.get(key, "<missing>")) for rank, ran in enumerate(everyone))
         for key in differing[:_DIFFERENCES_SHOWN]
     ]
     more = len(differing) - _DIFFERENCES_SHOWN
@@ -1897,14 +1890,8 @@ class _HydraStrategy:
 
     _lightning: types.ModuleType
 
-    def __init__(
-        self,
-        *args: Any,
-        rank_timeout: float = DEFAULT_RANK_TIMEOUT,
-        module_key: str = "module",
-        datamodule_key: str = "datamodule",
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, *args: Any, rank_timeout: float = DEFAULT_RANK_TIMEOUT, module_key: str = "module",
+                 datamodule_key: str = "datamodule", **kwargs: Any) -> None:  # fmt: skip
         if type(rank_timeout) is bool or not isinstance(rank_timeout, (int, float)) or not rank_timeout > 0:
             raise ValueError(
                 f"rank_timeout={rank_timeout!r}: expected seconds > 0 (default {DEFAULT_RANK_TIMEOUT:g})."
@@ -1915,8 +1902,7 @@ class _HydraStrategy:
                 raise ValueError(f"{name}={key!r}: expected the non-empty name of a key of the job's config.")
         _check_versions(self._lightning, type(self).__name__)
         super().__init__(*args, **kwargs)
-        self.rank_timeout = rank_timeout
-        self._config_keys = config_keys
+        self.rank_timeout, self._config_keys = rank_timeout, config_keys
         self._stage_ckpt_path: str | None = None
         self._job_gpus: list | None = None  # the GPUs this rank's job holds, by rank (see _placement)
 
@@ -2054,13 +2040,9 @@ def _sharded(strategy: Any, model: torch.nn.Module, setup: Callable, kwargs: dic
     wrapping = strategy.root_device.type == "cpu" and not wrapped
     if wrapping:
         model = fsdp.FullyShardedDataParallel(
-            module=model,
-            cpu_offload=strategy.cpu_offload,
-            mixed_precision=strategy.mixed_precision_config,
-            sharding_strategy=strategy.sharding_strategy,
-            device_id=strategy.root_device,
-            **kwargs,
-        )
+            module=model, cpu_offload=strategy.cpu_offload, mixed_precision=strategy.mixed_precision_config,
+            sharding_strategy=strategy.sharding_strategy, device_id=strategy.root_device, **kwargs
+        )  # fmt: skip
     # Lightning warns about an auto_wrap_policy given with a model wrapped already, and drops it: the
     # wrapper above applied it, so Lightning is not shown it (and it is put back for the next stage).
     # A model the user wrapped keeps the warning: the policy was not applied.
@@ -2262,10 +2244,8 @@ def _strategies_for(namespace: str, fabric: bool = False) -> types.SimpleNamespa
         attributes = {"__module__": __name__, "__qualname__": qualname, "__doc__": public.__doc__}
         return type(public.__name__, bases, {**attributes, "_lightning": lightning})
 
-    setup_model = getattr(strategies.FSDPStrategy, "_setup_model", None)
-    if not fabric and (
-        not callable(setup_model) or setup_model is getattr(strategies.Strategy, "_setup_model", None)
-    ):
+    setup = getattr(strategies.FSDPStrategy, "_setup_model", None)  # its own, which _HydraFSDP's overrides
+    if not fabric and (not callable(setup) or setup is getattr(strategies.Strategy, "_setup_model", None)):
         raise _upstream_changed(f"{lightning.__name__}'s FSDPStrategy._setup_model", "wrap the module once")
     return types.SimpleNamespace(
         HydraDDP=build(HydraDDP, _HydraFabricStrategy if fabric else _HydraStrategy, strategies.DDPStrategy),
@@ -2899,8 +2879,7 @@ def _check_resolved_as_on_rank_0(task_cfg: DictConfig, on_rank_0: dict) -> None:
 
 def _set_hydra_config(hydra: dict) -> None:
     """Make rank 0's resolved Hydra config this process's ``HydraConfig``, read-only as Hydra's."""
-    hydra_cfg = OmegaConf.create({"hydra": hydra})
-    OmegaConf.set_readonly(hydra_cfg, True)
+    hydra_cfg = OmegaConf.create({"hydra": hydra}, flags={"readonly": True})
     HydraConfig.instance().cfg = hydra_cfg  # set_config() wants Hydra's schema, which plugins extend
     if not HydraConfig.initialized() or HydraConfig.get() is not hydra_cfg.hydra:
         raise _upstream_changed("HydraConfig.instance().cfg", "give the child rank the job's Hydra config")
@@ -2911,8 +2890,7 @@ def _run_config_contract(task_cfg: DictConfig, module_key: str, datamodule_key: 
     announces, until it announces the end of the job."""
     trainer = instantiate(task_cfg.trainer)
     module = instantiate(task_cfg[module_key])
-    datamodule = None
-    store = _child_store()
+    datamodule, store = None, _child_store()  # the datamodule made at the first stage that takes one
     for number in itertools.count():
         stage = json.loads(store.get(_STAGE_KEY.format(number)))
         if stage is None:
@@ -2935,8 +2913,8 @@ def _import_launching_script(main: dict) -> None:
     if "module" in main:
         namespace = runpy.run_module(main["module"], run_name="__mp_main__", alter_sys=False)
     elif "path" in main:
-        script_dir = os.path.dirname(main["path"])
-        if script_dir not in sys.path:  # as `python script.py` has it (a submitit worker's does not)
+        # on sys.path as `python script.py` has it (a submitit worker's does not)
+        if (script_dir := os.path.dirname(main["path"])) not in sys.path:
             sys.path.insert(0, script_dir)
         namespace = runpy.run_path(main["path"], run_name="__mp_main__")
     else:
