@@ -1523,17 +1523,18 @@ def test_a_launcher_jobs_accelerator_is_its_own_not_the_nodes(tmp_path, monkeypa
     assert placement.gpus is None and all(cores for cores in placement.cores)
 
 
+MOVED_TO_THE_CPU = []
+
+
 class OnAGPU(torch.Tensor):
     """A tensor that says it is on a GPU (none here), as one rank 0 returns from cuda:0 would."""
-
-    moved = []
 
     @property
     def device(self):
         return torch.device("cuda", 0)
 
     def cpu(self):
-        OnAGPU.moved.append(self)
+        MOVED_TO_THE_CPU.append(self)
         return self.as_subclass(torch.Tensor)
 
 
@@ -1545,7 +1546,7 @@ def test_rank_0s_tensors_come_back_on_the_cpu_and_what_cannot_be_pickled_is_name
     on_a_gpu = torch.arange(3.0).as_subclass(OnAGPU)
     hydra_fsdp._hand_back(value={"metric": on_a_gpu, "plain": torch.ones(1)})
     handed = pickle.loads(result.read_bytes())["value"]
-    assert OnAGPU.moved == [on_a_gpu] and type(handed["metric"]) is torch.Tensor
+    assert MOVED_TO_THE_CPU == [on_a_gpu] and type(handed["metric"]) is torch.Tensor
     assert handed["metric"].tolist() == [0.0, 1.0, 2.0] and handed["plain"].tolist() == [1.0]
     assert result.stat().st_mode & 0o777 == 0o600 and [p.name for p in tmp_path.iterdir()] == [result.name]
     hydra_fsdp._hand_back(value=threading.Lock())
