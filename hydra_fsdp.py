@@ -733,21 +733,13 @@ def _claims_folder() -> Path | None:
     folder = Path(setting or f"/tmp/hydra_fsdp-{os.getuid()}")
     with contextlib.suppress(FileExistsError):
         folder.mkdir(mode=0o700, parents=True)
-    try:  # the folder itself, never followed through a symlink: another user may make one in /tmp
-        fd = os.open(folder, os.O_RDONLY | os.O_NOFOLLOW | os.O_DIRECTORY)
-    except OSError as error:  # ELOOP: a symlink; ENOTDIR: a file
-        what = f"a symlink to {os.readlink(folder)}" if folder.is_symlink() else error.strerror.lower()
+    found = os.lstat(folder)  # the folder itself, never followed: another user may make a symlink in /tmp
+    what = f"owner uid {found.st_uid}, mode {found.st_mode & 0o777:o}"
+    what = f"a symlink to {os.readlink(folder)}" if folder.is_symlink() else what
+    if folder.is_symlink() or not folder.is_dir() or found.st_uid != os.getuid() or found.st_mode & 0o22:
         raise RankLaunchError(
             f"hydra_fsdp keeps its jobs' claims on devices in {folder}, which is {what}; expected a folder of"
-            " your own, which it makes (it never follows a symlink). Remove it, or name a folder of your own:"
-            f" {_CLAIMS_ENV}=<folder> (or off: claim nothing)."
-        ) from None
-    found = os.fstat(fd)
-    os.close(fd)
-    if found.st_uid != os.getuid() or found.st_mode & 0o022:
-        raise RankLaunchError(
-            f"hydra_fsdp keeps its jobs' claims on devices in {folder}, which is not yours alone (owner uid"
-            f" {found.st_uid}, mode {found.st_mode & 0o777:o}; expected {os.getuid()}, writable by you only)."
+            f" your own (uid {os.getuid()}), writable by you only, which it makes (it never follows a link)."
             f" Remove it, or name a folder of your own: {_CLAIMS_ENV}=<folder> (or off: claim nothing)."
         )
     return folder
