@@ -542,17 +542,12 @@ class _ForkServer:
         request = {"command": command, "env": env, "cwd": os.getcwd(), "log": str(log)}
         with contextlib.suppress(OSError):  # a server that died says so by its end
             self.conn.sendall(json.dumps(request).encode())
-        if not _wait_until(self.said, lambda: self.started or self.lost, timeout):
+        if not _wait_until(self.said, lambda: self.started or self.lost, timeout) or not self.started:
             self.end()
+            how = "and ended (its error is above)" if self.lost else f"within {timeout:g} s and was ended"
             raise ChildRankError(
-                f"hydra_fsdp's fork server (pid {self.proc.pid}), which imports {', '.join(self.imports)}"
-                f" once for the sweep's child ranks, started none within {timeout:g} s and was ended. Raise"
-                " rank_timeout if imports are this slow here (a shared file system)."
-            )
-        if not self.started:
-            raise ChildRankError(
-                f"hydra_fsdp's fork server (pid {self.proc.pid}) ended before it started a child rank; its"
-                " error is in the sweep's output above."
+                f"hydra_fsdp's fork server (pid {self.proc.pid}), importing {', '.join(self.imports)} for the"
+                f" sweep's ranks, started none {how}. Raise rank_timeout if imports are this slow here."
             )
         with self.said:
             pid = self.started.pop(0)
@@ -625,10 +620,9 @@ def _serve_forks(imports: list, owner: int) -> None:
     # The children's collections skip what the server holds (0.2 s, and a copy of every page).
     gc.freeze()
     gc.enable()
-    sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a child has its own, and a group of its own
-    parent = os.getppid()
-    conns = {owner: socket.socket(fileno=owner)}  # by fd
-    children: dict = {}  # pid: the fd of the connection it is reported to (None: that one closed)
+    # A child has its SIGINT handler back, in a process group of its own: its parent passes a signal on.
+    sigint, parent = signal.signal(signal.SIGINT, signal.SIG_IGN), os.getppid()
+    conns, children = {owner: socket.socket(fileno=owner)}, {}  # by fd; pid: its connection's fd, or None
     while os.getppid() == parent and owner in conns:
         for fd in select.select(list(conns), [], [], _POLL_INTERVAL)[0]:
             message, fds = b"", []
@@ -1208,9 +1202,7 @@ class _ChildRanks:
     def describe(self, rank: int) -> str:
         proc = self.procs[rank]
         code = proc.poll()
-        status = "still running" if code is None else f"exit code {code}"
-        if code is not None and code < 0:
-            status += f" (killed by {signal.Signals(-code).name})"
+        status = "still running" if code is None else _exit_status(code)
         excerpt = "\n".join("    " + line for line in _log_excerpt(self.log(rank)))
         ending = f", ending with:\n{excerpt}" if excerpt else "."
         return f"rank {rank} (pid {proc.pid}, {status}); its log is {self.log(rank)}{ending}"
@@ -2332,15 +2324,6 @@ def _raise_interrupted(signum: int, frame: Any) -> None:
     raise _Interrupted(signum)
 
 
-class _Agent(NamedTuple):
-    """A running job agent, as the sweep's process knows it."""
-
-    pid: int
-    number: int
-    config: DictConfig  # the job's, with Hydra's
-    said: list  # what it wrote back so far
-
-
 class HydraFSDPLauncher(Launcher):
     """Run each job's ranks 0..N-1 as forks of the fork server, each as torchrun would start it::
 
@@ -2424,7 +2407,7 @@ class HydraFSDPLauncher(Launcher):
         os.close(write_end)
         if connection is not None:
             connection.conn.close()  # the agent's
-        return read_end, _Agent(pid, number, config, [])
+        return read_end, types.SimpleNamespace(pid=pid, number=number, config=config, said=[])  # so far
 
     def _run_agent(self, config: DictConfig, server: Any, connection: Any, write_end: int) -> None:
         """In a job agent: run the job with Hydra's run_job, hand back its JobReturn (less the config: one
@@ -2500,25 +2483,22 @@ def _answers(agents: dict, ended: dict, timeout: float | None) -> dict:
     return returns
 
 
-def _job_return(agent: _Agent, code: int, ended: dict) -> JobReturn:
+def _job_return(agent: Any, code: int, ended: dict) -> JobReturn:
     """The JobReturn an agent handed back, with the job's config; or a failed one saying how it ended."""
     outcome = {}
     with contextlib.suppress(Exception):  # nothing, or part of it: it died
         outcome = pickle.loads(b"".join(agent.said))
-    ended[agent.number] = outcome.get("ended")
-    ret = outcome.get("ret")
-    if ret is None:
-        ret = JobReturn(
-            overrides=OmegaConf.to_container(agent.config.hydra.overrides.task),
-            hydra_cfg=OmegaConf.create({"hydra": agent.config.hydra}),
-            status=JobStatus.FAILED,
-            _return_value=outcome.get("error")
-            or ChildRankError(
-                f"The agent of job #{agent.number} (pid {agent.pid}) ended ({_exit_status(code)}) before"
-                " it handed back the job's result; the job's ranks ended with it. Its output is above."
-            ),
-        )
-        ended[agent.number] = ended[agent.number] or (0.0, f"{ret._return_value!r}")
+    error = outcome.get("error") or ChildRankError(
+        f"The agent of job #{agent.number} (pid {agent.pid}) ended ({_exit_status(code)}) before it handed"
+        " back the job's result; the job's ranks ended with it. Its output is above."
+    )
+    ended[agent.number] = outcome.get("ended") or (0.0, f"{error!r}")
+    ret = outcome.get("ret") or JobReturn(
+        overrides=OmegaConf.to_container(agent.config.hydra.overrides.task),
+        hydra_cfg=OmegaConf.create({"hydra": agent.config.hydra}),
+        status=JobStatus.FAILED,
+        _return_value=error,
+    )
     ret.cfg = copy.deepcopy(agent.config)
     with read_write(ret.cfg), open_dict(ret.cfg):
         del ret.cfg["hydra"]
