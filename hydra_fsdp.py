@@ -2338,17 +2338,16 @@ class HydraFSDPLauncher(Launcher):
     1..N-1 once it serves the job's store on MASTER_PORT, in Lightning's order. The job's result is rank
     0's: its return value, or its exception; else the error of the rank that failed first."""
 
-    def __init__(self, nproc_per_node: Any = None, accelerator: Any = None, n_jobs: int = 1,
-                 job_timeout: Any = None, rank_timeout: float = DEFAULT_RANK_TIMEOUT,
-                 start_ranks_together: bool = False, shutdown_grace: float = 30.0) -> None:  # fmt: skip
-        # nproc_per_node and accelerator are read per job, from the job's config (_start_ranks)
+    def __init__(
+        self, n_jobs: int = 1, job_timeout: Any = None, shutdown_grace: float = 30.0, **per_job: Any
+    ):
+        # the others (nproc_per_node, accelerator, ...) are read per job, from the job's config (_job_spec)
         if type(n_jobs) is not int or n_jobs < 1 or not (job_timeout is None or job_timeout > 0):
             raise ValueError(
                 f"hydra.launcher.n_jobs={n_jobs!r}, job_timeout={job_timeout!r}: expected n_jobs an int >= 1"
                 " and job_timeout seconds > 0, or null for no limit."
             )
-        self.n_jobs, self.job_timeout = n_jobs, job_timeout
-        self.grace = shutdown_grace  # the others are read per job, from its config (_job_spec)
+        self.n_jobs, self.job_timeout, self.grace = n_jobs, job_timeout, shutdown_grace
 
     def setup(self, *, hydra_context: Any, task_function: Callable, config: DictConfig) -> None:
         self.hydra_context, self.task_function, self.config = hydra_context, task_function, config
@@ -2384,8 +2383,8 @@ class HydraFSDPLauncher(Launcher):
             for signum, handler in handlers.items():
                 signal.signal(signum, handler)
             _signal_agents(agents, signal.SIGKILL)  # what an error left: ended with their ranks
-            while agents and _answers(agents, ended, _KILL_WAIT) is not None:
-                pass
+            for _ in range(len(agents)):  # each reaped, bounded: one the kernel holds is left behind
+                _answers(agents, ended, _KILL_WAIT)
             if server is not None:
                 server.close()
         _log_summary([returns[number] for number in numbers if number in returns], ended)
@@ -2403,20 +2402,18 @@ class HydraFSDPLauncher(Launcher):
         pid = os.fork()
         if pid == 0:
             os.close(read_end)
-            self._run_agent(config, server, connection, write_end)
+            self._run_agent(config, connection, write_end)
         os.close(write_end)
         if connection is not None:
             connection.conn.close()  # the agent's
         return read_end, types.SimpleNamespace(pid=pid, number=number, config=config, said=[])  # so far
 
-    def _run_agent(self, config: DictConfig, server: Any, connection: Any, write_end: int) -> None:
+    def _run_agent(self, config: DictConfig, connection: Any, write_end: int) -> None:
         """In a job agent: run the job with Hydra's run_job, hand back its JobReturn (less the config: one
         made at run time may not pickle), and exit."""
         try:
             os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the sweep alone, which passes it on once
             _exit_with(os.getppid())
-            if server is not None:
-                server.conn.close()  # the sweep's
             self.write_end = write_end
             ret = run_job(
                 hydra_context=self.hydra_context,
@@ -2548,7 +2545,7 @@ def _start_ranks(
     except RankLaunchError as error:  # a child cannot import the task function (or the config's classes)
         why_not = error
     if why_not is not None:  # forked here, not in the except: a fork would run the job in its context
-        server = _local_fork_server(hydra_job, why_not, server, launcher.write_end)
+        server = _local_fork_server(hydra_job, why_not, launcher.write_end)  # (the other connection unused)
     server.listen(children.said)
     env = _torchrun_env(world, config.hydra.job.num, placement, inventory)
     where = [f"cores {','.join(map(str, cores))}" for cores in placement.cores if cores is not None]
@@ -2576,21 +2573,18 @@ def _start_ranks(
     return failures
 
 
-def _local_fork_server(hydra_job: dict, why_not: Exception, unused: Any, write_end: int) -> _ForkServer:
+def _local_fork_server(hydra_job: dict, why_not: Exception, write_end: int) -> _ForkServer:
     """For a task function that a child cannot import by name (``why_not``): a fork of this agent, which
     has it in memory (the agent is a fork of the sweep), serves the job's forks as the fork server does;
     not where the sweep's process touched CUDA, since a fork of it cannot use CUDA."""
-    if unused is not None:
-        unused.conn.close()
     in_bad_fork = getattr(torch.cuda, "_is_in_bad_fork", None)
     if not callable(in_bad_fork):
         raise _upstream_changed("torch.cuda._is_in_bad_fork", "tell whether a fork of the sweep can use CUDA")
     if in_bad_fork():
         raise RankLaunchError(
-            f"This job's ranks cannot start: {why_not} They would be forks of the sweep's process, which has"
-            " initialised CUDA (torch.cuda.is_available() does, at import of a script), and a fork of such a"
-            " process cannot use CUDA ('Cannot re-initialize CUDA in forked subprocess'). Define the task"
-            " function at the top level of an importable file, or start the sweep with"
+            f"This job's ranks cannot start: {why_not} So they would be forks of the sweep's process, which"
+            " initialised CUDA (as torch.cuda.is_available() does), and such a fork cannot use CUDA. Define"
+            " the task function at the top level of an importable file, or start the sweep with"
             " PYTORCH_NVML_BASED_CUDA_CHECK=1 (torch.cuda.is_available() then leaves CUDA alone)."
         )
     server = _ForkServer.__new__(_ForkServer)
@@ -2629,13 +2623,9 @@ def _wait_for_rank_0(children: _ChildRanks, port: int, timeout: float) -> None:
 
 def _listening(port: int) -> bool:
     """Whether a socket of this host listens on TCP ``port`` (the kernel's tables: no connection made)."""
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError):
-            for line in Path(table).read_text().splitlines()[1:]:
-                local, state = line.split()[1], line.split()[3]
-                if state == "0A" and int(local.rpartition(":")[2], 16) == port:  # 0A: LISTEN
-                    return True
-    return False
+    listening = re.compile(rf"^ *\d+: [0-9A-F]+:{port:04X} [0-9A-F]+:0000 0A ", re.MULTILINE)  # 0A: LISTEN
+    tables = [Path(table) for table in ("/proc/net/tcp", "/proc/net/tcp6")]
+    return any(listening.search(table.read_text()) for table in tables if table.exists())
 
 
 def _torchrun_env(world: int, number: int, placement: _Placement, inventory: dict) -> dict:
@@ -2729,10 +2719,8 @@ def _hand_back(**outcome: Any) -> None:
         _OnTheCPU(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(outcome)
         pickled = buffer.getvalue()
     except Exception as error:  # noqa: BLE001 - PicklingError, or what an object's own __reduce__ raises
-        what = (
-            f"return value (a {type(outcome['value']).__qualname__})" if "value" in outcome else "exception"
-        )
-        what = what if "value" in outcome else f"exception {outcome['error']!r}"
+        what = f"exception {outcome['error']!r}" if "error" in outcome else ""
+        what = what or f"return value (a {type(outcome['value']).__qualname__})"
         why = f"Rank 0's {what} cannot be pickled for the sweep: {error!r}. {_PLAIN}"
         pickled = pickle.dumps({"error": RankLaunchError(why)})
     _write_private(Path(path), pickled)
