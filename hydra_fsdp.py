@@ -166,8 +166,7 @@ def _launch_delay() -> float:
         if 0 <= float(raw) < math.inf:
             return float(raw)
     raise RankLaunchError(
-        f"{LAUNCH_DELAY_ENV}={raw!r} is not a number of seconds: expected a finite number >= 0"
-        f" (e.g. {LAUNCH_DELAY_ENV}=1, or 0 to start child ranks without a pause)."
+        f"{LAUNCH_DELAY_ENV}={raw!r} is not a number of seconds: expected finite, >= 0 (0: no pause), e.g. 1."
     )
 
 
@@ -363,9 +362,7 @@ def _write_launch(path: Path, hydra_job: dict, spec: "_LaunchSpec") -> bool:
     task, why_not, script = _pickled(hydra_job["task_function"], "the task function")
     config, why_not_config, script = _pickled(task_cfg, "the job's config", script)
     if config is None:
-        raise RankLaunchError(
-            f"Child ranks cannot have this job's config: {why_not_config}. {_WHERE_CLASSES_GO}"
-        )
+        raise RankLaunchError(f"Child ranks cannot have the config: {why_not_config}. {_WHERE_CLASSES_GO}")
     if task is None and (spec.lightning.endswith("fabric") or spec.module_key is None):  # no fallback
         raise RankLaunchError(
             f"Child ranks cannot run this job: {why_not}. Define it at the top level of an importable file."
@@ -1688,8 +1685,7 @@ class _HydraRankLauncher:
             return function(*args, **kwargs)
         if strategy.num_nodes > 1:
             raise RankLaunchError(
-                f"num_nodes={strategy.num_nodes}, but hydra_fsdp starts child ranks on one node only."
-                " Across nodes, let torchrun or SLURM start every rank."
+                f"num_nodes={strategy.num_nodes}: hydra_fsdp starts ranks on 1 node; use torchrun or SLURM."
             )
         devices, lightning = tuple(strategy.parallel_devices), strategy._lightning.__name__
         spec = _LaunchSpec(strategy.world_size, devices, env.main_address, lightning, strategy.rank_timeout,
@@ -1720,9 +1716,8 @@ def _check_launched_world_size(num_nodes: int, devices: int) -> None:
     if launched is not None and int(launched) != num_nodes * devices:
         raise RankLaunchError(
             f"The external launcher started {launched} processes (world size), but the strategy expects"
-            f" num_nodes x devices = {num_nodes} x {devices} = {num_nodes * devices}. Start one process per"
-            " device on every node (torchrun --nnodes=<num_nodes> --nproc-per-node=<devices>, or SLURM"
-            " --nodes=<num_nodes> --ntasks-per-node=<devices>), or set num_nodes and devices to match."
+            f" num_nodes x devices = {num_nodes} x {devices} = {num_nodes * devices}. Run one per device per"
+            " node (torchrun --nproc-per-node, SLURM --ntasks-per-node), or set num_nodes/devices to match."
         )
 
 
