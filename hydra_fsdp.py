@@ -364,18 +364,15 @@ def _write_launch(path: Path, hydra_job: dict, spec: "_LaunchSpec") -> bool:
     if config is None:
         raise RankLaunchError(f"Child ranks cannot have the config: {why_not_config}. {_WHERE_CLASSES_GO}")
     if task is None and (spec.lightning.endswith("fabric") or spec.module_key is None):  # no fallback
-        raise RankLaunchError(
-            f"Child ranks cannot run this job: {why_not}. Define it at the top level of an importable file."
-        )
+        raise RankLaunchError(f"{why_not}. Child ranks need it defined at an importable file's top level.")
     if task is None:
         missing = [key for key in ("trainer", spec.module_key) if key not in task_cfg]
         if missing:
             raise RankLaunchError(
                 f"Child ranks cannot run this job: {why_not}, and the job's config has no"
                 f" {', '.join(repr(k) for k in missing)} key (it has:"
-                f" {', '.join(map(str, task_cfg)) or 'nothing'})"
-                " to build the trainer and module from instead. Define the task function at the top level of"
-                " an importable file, or put them in the config (name the module's key: module_key='model')."
+                f" {', '.join(map(str, task_cfg)) or 'nothing'}) for the trainer and module. Define the task"
+                " function at an importable file's top level, or add them (module_key='model' names its key)."
             )
         log.warning(f"hydra_fsdp: child ranks build the config's trainer and module, because {why_not}.")
     launch = {
@@ -735,9 +732,8 @@ def _claims_folder() -> Path | None:
     what = f"a symlink to {os.readlink(folder)}" if folder.is_symlink() else what
     if folder.is_symlink() or not folder.is_dir() or found.st_uid != os.getuid() or found.st_mode & 0o22:
         raise RankLaunchError(
-            f"hydra_fsdp keeps its jobs' claims on devices in {folder}, which is {what}; expected a folder of"
-            f" your own (uid {os.getuid()}), writable by you only, which it makes (it never follows a link)."
-            f" Remove it, or name a folder of your own: {_CLAIMS_ENV}=<folder> (or off: claim nothing)."
+            f"Device claims go in {folder}, which is {what}; expected a folder of your own (uid"
+            f" {os.getuid()}), writable by you only. Remove it, or set {_CLAIMS_ENV}=<dir> (off: no claims)."
         )
     return folder
 
@@ -751,8 +747,7 @@ def _claim(folder: Path, kind: str, inventory: list, count: int, job: contextlib
     if count > len(inventory):
         raise RankLaunchError(
             f"This job asks for {count} {kind}s, and hydra_fsdp's jobs may use {len(inventory)} on this node"
-            f" ({', '.join(inventory)}): ask for at most {len(inventory)}, or let them use more ({_GPUS_ENV}"
-            " for GPUs, the process's CPU affinity for cores)."
+            f" ({', '.join(inventory)}): ask for fewer, or allow more ({_GPUS_ENV}; for cores, CPU affinity)."
         )
     with os.fdopen(os.open(folder / f"{kind}.queue", os.O_RDWR | os.O_CREAT, 0o600)) as queue:
         # Waits in the kernel, and a signal interrupts it; bounded by the claims of the jobs ahead, each
@@ -862,10 +857,7 @@ def _gpu_inventory() -> dict:
         indexes = [int(index) for index in allowed.split(",")] if allowed else range(count)
         if all(0 <= index < count for index in indexes):
             return {index: names[index] for index in indexes}
-    raise RankLaunchError(
-        f"{_GPUS_ENV}={allowed!r}: expected the numbers of GPUs a sweep's jobs may use, comma-separated,"
-        f" each below the {count} torch sees here (e.g. {_GPUS_ENV}=0,1)."
-    )
+    raise RankLaunchError(f"{_GPUS_ENV}={allowed!r}: expected numbers below the {count} torch sees, e.g. 0,1")
 
 
 def _cores_per_job(cores: int) -> int:
@@ -944,9 +936,8 @@ class _Sweep(Callback):
         """The job's ranks for a stage of ``spec``: those started at Hydra's start of the job if alike."""
         if hydra_job is None or not HydraConfig.initialized():
             raise RankLaunchError(
-                "hydra_fsdp's strategies start child ranks from the running Hydra job's config, but no Hydra"
-                " job is running here. Call trainer.fit/test/... in a Hydra task function (@hydra.main,"
-                " hydra_zen.zen, hydra_zen.launch), or use Lightning's own strategy outside Hydra."
+                "Child ranks start from the Hydra job's config; no Hydra job runs here: call trainer.fit/..."
+                " in a Hydra task function (@hydra.main, hydra_zen), or use Lightning's own strategy."
             )
         if (job := self.job) is not None and job.job_return is hydra_job.get("ret"):
             if job.spec == spec:
@@ -1532,9 +1523,7 @@ def _abort_groups() -> None:
         elif hasattr(backend, "_shutdown"):  # torch 2.3 to 2.5
             backend._shutdown()
         elif type(backend).__name__ == "ProcessGroupNCCL":  # a torch that ends NCCL otherwise: say so
-            log.warning(
-                "hydra_fsdp: this NCCL has no abort(): collectives on a failed child wait for their timeout."
-            )
+            log.warning("hydra_fsdp: no NCCL abort(): collectives on a failed child wait for their timeout.")
 
 
 def _backends_of(group: Any) -> list:
@@ -1744,14 +1733,13 @@ def _check_ranks_agree(strategy: "_HydraStrategy") -> None:
     ]
     more = len(differing) - _DIFFERENCES_SHOWN
     raise RankLaunchError(
-        f"The ranks of this job are about to run different things in {mine['stage']}, and"
-        " would deadlock on their first different collective; they disagree on it:\n"
+        f"The ranks of this job are about to run different things in {mine['stage']}; they disagree on it:\n"
         + "\n".join(differences)
         + (f"\n  ... and {more} more" if more > 0 else "")
-        + "\nBuild the same trainer (or Fabric), module and data on every rank (no `if rank == 0` around"
-        " callbacks or loggers). Under torchrun or SLURM every process resolves the config itself: no"
-        " ${now:...} or random values in hydra.sweep.dir, hydra.run.dir or the config; use a value the"
-        " launcher gives every process alike, e.g. hydra.sweep.dir=multirun/${oc.env:SLURM_JOB_ID}."
+        + "\nBuild the same trainer (or Fabric), module and data on every rank, else they deadlock (no"
+        " `if rank == 0` around callbacks or loggers). Under torchrun or SLURM each process resolves the"
+        " config itself: no ${now:...} or random values in hydra.sweep.dir, hydra.run.dir or the config;"
+        " use a value the launcher gives all alike, e.g. hydra.sweep.dir=multirun/${oc.env:SLURM_JOB_ID}."
     )
 
 
@@ -2219,8 +2207,7 @@ def _strategies_for(namespace: str, fabric: bool = False) -> types.SimpleNamespa
         lightning = importlib.import_module((_FABRIC_NAMESPACES if fabric else _NAMESPACES)[namespace])
     except ImportError as error:
         raise ImportError(
-            f"hydra_fsdp.{prefix} needs the {namespace.replace('_', '-')} package, which is not installed:"
-            f" pip install {namespace.replace('_', '-')}."
+            f"hydra_fsdp.{prefix} needs the {namespace.replace('_', '-')} package (missing): pip install it."
         ) from error
     strategies = lightning.strategies
     # < 2.4: a concrete stand-in (ParallelStrategy is abstract), refused
@@ -2254,8 +2241,7 @@ def _namespace_in_use(namespaces: dict = _NAMESPACES) -> str:
         if importlib.util.find_spec(package.split(".")[0]) is not None:
             return namespace
     raise ImportError(
-        "hydra_fsdp needs Lightning, and neither pytorch-lightning nor lightning is installed:"
-        " pip install pytorch-lightning (or lightning)."
+        "hydra_fsdp: neither pytorch-lightning nor lightning is installed; pip install pytorch-lightning."
     )
 
 
@@ -2809,9 +2795,7 @@ def _launched_job(config_path: str) -> dict:
     try:  # its types, flags and rank 0's cached ${now:...} values
         task_cfg = pickle.loads(launch["config"])
     except (AttributeError, ImportError) as error:
-        raise RankLaunchError(
-            f"A child rank cannot make the job's config again: {error}. {_WHERE_CLASSES_GO}"
-        ) from error
+        raise RankLaunchError(f"A child rank cannot load the config: {error}. {_WHERE_CLASSES_GO}") from error
     _check_resolved_as_on_rank_0(task_cfg, launch["resolved"])
     if launch["task"] is not None:  # the job's own, which rank 0 could pickle
         task_function = pickle.loads(launch["task"])
