@@ -2842,8 +2842,7 @@ def _check_resolved_as_on_rank_0(task_cfg: DictConfig, on_rank_0: dict) -> None:
                 f"the resolver {unregistered[0]!r} is registered on rank 0 only: register it at the top level"
                 ' of the script or of a module it imports, not in its `if __name__ == "__main__":` block.'
                 if unregistered
-                else f"register its resolver {' '.join(map(repr, resolvers))} with use_cache=True: every rank"
-                " then reads rank 0's value."
+                else f"register {' '.join(map(repr, resolvers))} with use_cache=True: all read rank 0's value"
             )
         )
 
