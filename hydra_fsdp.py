@@ -151,9 +151,8 @@ class ChildRankError(RuntimeError):
 def _upstream_changed(name: str, why: str) -> RankLaunchError:
     """The error for a private name of torch, Lightning or Hydra that is not what it was."""
     return RankLaunchError(
-        f"hydra_fsdp relies on {name}, private to its package, to {why}; the version installed here"
-        f" does not have it as expected. Known to work: {_KNOWN_TO_WORK}. Install one of those, or"
-        " adapt the copy of hydra_fsdp.py where it calls _upstream_changed for it."
+        f"hydra_fsdp relies on {name}, private to its package, to {why}; this release differs. Known to work:"
+        f" {_KNOWN_TO_WORK}. Install one, or adapt hydra_fsdp.py where it calls _upstream_changed for it."
     )
 
 
