@@ -151,9 +151,8 @@ class ChildRankError(RuntimeError):
 def _upstream_changed(name: str, why: str) -> RankLaunchError:
     """The error for a private name of torch, Lightning or Hydra that is not what it was."""
     return RankLaunchError(
-        f"hydra_fsdp relies on {name}, private to its package, to {why}; the version installed here"
-        f" does not have it as expected. Known to work: {_KNOWN_TO_WORK}. Install one of those, or"
-        " adapt the copy of hydra_fsdp.py where it calls _upstream_changed for it."
+        f"hydra_fsdp relies on {name}, private to its package, to {why}; this release differs. Known to work:"
+        f" {_KNOWN_TO_WORK}. Install one, or adapt hydra_fsdp.py where it calls _upstream_changed for it."
     )
 
 
@@ -166,8 +165,7 @@ def _launch_delay() -> float:
         if 0 <= float(raw) < math.inf:
             return float(raw)
     raise RankLaunchError(
-        f"{LAUNCH_DELAY_ENV}={raw!r} is not a number of seconds: expected a finite number >= 0"
-        f" (e.g. {LAUNCH_DELAY_ENV}=1, or 0 to start child ranks without a pause)."
+        f"{LAUNCH_DELAY_ENV}={raw!r} is not a number of seconds: expected finite, >= 0 (0: no pause), e.g. 1."
     )
 
 
@@ -363,22 +361,17 @@ def _write_launch(path: Path, hydra_job: dict, spec: "_LaunchSpec") -> bool:
     task, why_not, script = _pickled(hydra_job["task_function"], "the task function")
     config, why_not_config, script = _pickled(task_cfg, "the job's config", script)
     if config is None:
-        raise RankLaunchError(
-            f"Child ranks cannot have this job's config: {why_not_config}. {_WHERE_CLASSES_GO}"
-        )
+        raise RankLaunchError(f"Child ranks cannot have the config: {why_not_config}. {_WHERE_CLASSES_GO}")
     if task is None and (spec.lightning.endswith("fabric") or spec.module_key is None):  # no fallback
-        raise RankLaunchError(
-            f"Child ranks cannot run this job: {why_not}. Define it at the top level of an importable file."
-        )
+        raise RankLaunchError(f"{why_not}. Child ranks need it defined at an importable file's top level.")
     if task is None:
         missing = [key for key in ("trainer", spec.module_key) if key not in task_cfg]
         if missing:
             raise RankLaunchError(
                 f"Child ranks cannot run this job: {why_not}, and the job's config has no"
                 f" {', '.join(repr(k) for k in missing)} key (it has:"
-                f" {', '.join(map(str, task_cfg)) or 'nothing'})"
-                " to build the trainer and module from instead. Define the task function at the top level of"
-                " an importable file, or put them in the config (name the module's key: module_key='model')."
+                f" {', '.join(map(str, task_cfg)) or 'nothing'}) for the trainer and module. Define the task"
+                " function at an importable file's top level, or add them (module_key='model' names its key)."
             )
         log.warning(f"hydra_fsdp: child ranks build the config's trainer and module, because {why_not}.")
     launch = {
@@ -732,9 +725,8 @@ def _claims_folder() -> Path | None:
     what = f"a symlink to {os.readlink(folder)}" if folder.is_symlink() else what
     if folder.is_symlink() or not folder.is_dir() or found.st_uid != os.getuid() or found.st_mode & 0o22:
         raise RankLaunchError(
-            f"hydra_fsdp keeps its jobs' claims on devices in {folder}, which is {what}; expected a folder of"
-            f" your own (uid {os.getuid()}), writable by you only, which it makes (it never follows a link)."
-            f" Remove it, or name a folder of your own: {_CLAIMS_ENV}=<folder> (or off: claim nothing)."
+            f"Device claims go in {folder}, which is {what}; expected a folder of your own (uid"
+            f" {os.getuid()}), writable by you only. Remove it, or set {_CLAIMS_ENV}=<dir> (off: no claims)."
         )
     return folder
 
@@ -748,8 +740,7 @@ def _claim(folder: Path, kind: str, inventory: list, count: int, job: contextlib
     if count > len(inventory):
         raise RankLaunchError(
             f"This job asks for {count} {kind}s, and hydra_fsdp's jobs may use {len(inventory)} on this node"
-            f" ({', '.join(inventory)}): ask for at most {len(inventory)}, or let them use more ({_GPUS_ENV}"
-            " for GPUs, the process's CPU affinity for cores)."
+            f" ({', '.join(inventory)}): ask for fewer, or allow more ({_GPUS_ENV}; for cores, CPU affinity)."
         )
     with os.fdopen(os.open(folder / f"{kind}.queue", os.O_RDWR | os.O_CREAT, 0o600)) as queue:
         # Waits in the kernel, and a signal interrupts it; bounded by the claims of the jobs ahead, each
@@ -859,10 +850,7 @@ def _gpu_inventory() -> dict:
         indexes = [int(index) for index in allowed.split(",")] if allowed else range(count)
         if all(0 <= index < count for index in indexes):
             return {index: names[index] for index in indexes}
-    raise RankLaunchError(
-        f"{_GPUS_ENV}={allowed!r}: expected the numbers of GPUs a sweep's jobs may use, comma-separated,"
-        f" each below the {count} torch sees here (e.g. {_GPUS_ENV}=0,1)."
-    )
+    raise RankLaunchError(f"{_GPUS_ENV}={allowed!r}: expected numbers below the {count} torch sees, e.g. 0,1")
 
 
 def _cores_per_job(cores: int) -> int:
@@ -941,9 +929,8 @@ class _Sweep(Callback):
         """The job's ranks for a stage of ``spec``: those started at Hydra's start of the job if alike."""
         if hydra_job is None or not HydraConfig.initialized():
             raise RankLaunchError(
-                "hydra_fsdp's strategies start child ranks from the running Hydra job's config, but no Hydra"
-                " job is running here. Call trainer.fit/test/... in a Hydra task function (@hydra.main,"
-                " hydra_zen.zen, hydra_zen.launch), or use Lightning's own strategy outside Hydra."
+                "Child ranks start from the Hydra job's config; no Hydra job runs here: call trainer.fit/..."
+                " in a Hydra task function (@hydra.main, hydra_zen), or use Lightning's own strategy."
             )
         if (job := self.job) is not None and job.job_return is hydra_job.get("ret"):
             if job.spec == spec:
@@ -1527,9 +1514,7 @@ def _abort_groups() -> None:
         elif hasattr(backend, "_shutdown"):  # torch 2.3 to 2.5
             backend._shutdown()
         elif type(backend).__name__ == "ProcessGroupNCCL":  # a torch that ends NCCL otherwise: say so
-            log.warning(
-                "hydra_fsdp: this NCCL has no abort(): collectives on a failed child wait for their timeout."
-            )
+            log.warning("hydra_fsdp: no NCCL abort(): collectives on a failed child wait for their timeout.")
 
 
 def _backends_of(group: Any) -> list:
@@ -1680,8 +1665,7 @@ class _HydraRankLauncher:
             return function(*args, **kwargs)
         if strategy.num_nodes > 1:
             raise RankLaunchError(
-                f"num_nodes={strategy.num_nodes}, but hydra_fsdp starts child ranks on one node only."
-                " Across nodes, let torchrun or SLURM start every rank."
+                f"num_nodes={strategy.num_nodes}: hydra_fsdp starts ranks on 1 node; use torchrun or SLURM."
             )
         devices, lightning = tuple(strategy.parallel_devices), strategy._lightning.__name__
         spec = _LaunchSpec(strategy.world_size, devices, env.main_address, lightning, strategy.rank_timeout,
@@ -1712,9 +1696,8 @@ def _check_launched_world_size(num_nodes: int, devices: int) -> None:
     if launched is not None and int(launched) != num_nodes * devices:
         raise RankLaunchError(
             f"The external launcher started {launched} processes (world size), but the strategy expects"
-            f" num_nodes x devices = {num_nodes} x {devices} = {num_nodes * devices}. Start one process per"
-            " device on every node (torchrun --nnodes=<num_nodes> --nproc-per-node=<devices>, or SLURM"
-            " --nodes=<num_nodes> --ntasks-per-node=<devices>), or set num_nodes and devices to match."
+            f" num_nodes x devices = {num_nodes} x {devices} = {num_nodes * devices}. Run one per device per"
+            " node (torchrun --nproc-per-node, SLURM --ntasks-per-node), or set num_nodes/devices to match."
         )
 
 
@@ -1741,14 +1724,13 @@ def _check_ranks_agree(strategy: "_HydraStrategy") -> None:
     ]
     more = len(differing) - _DIFFERENCES_SHOWN
     raise RankLaunchError(
-        f"The ranks of this job are about to run different things in {mine['stage']}, and"
-        " would deadlock on their first different collective; they disagree on it:\n"
+        f"The ranks of this job are about to run different things in {mine['stage']}; they disagree on it:\n"
         + "\n".join(differences)
         + (f"\n  ... and {more} more" if more > 0 else "")
-        + "\nBuild the same trainer (or Fabric), module and data on every rank (no `if rank == 0` around"
-        " callbacks or loggers). Under torchrun or SLURM every process resolves the config itself: no"
-        " ${now:...} or random values in hydra.sweep.dir, hydra.run.dir or the config; use a value the"
-        " launcher gives every process alike, e.g. hydra.sweep.dir=multirun/${oc.env:SLURM_JOB_ID}."
+        + "\nBuild the same trainer (or Fabric), module and data on every rank, else they deadlock (no"
+        " `if rank == 0` around callbacks or loggers). Under torchrun or SLURM each process resolves the"
+        " config itself: no ${now:...} or random values in hydra.sweep.dir, hydra.run.dir or the config;"
+        " use a value the launcher gives all alike, e.g. hydra.sweep.dir=multirun/${oc.env:SLURM_JOB_ID}."
     )
 
 
@@ -2216,8 +2198,7 @@ def _strategies_for(namespace: str, fabric: bool = False) -> types.SimpleNamespa
         lightning = importlib.import_module((_FABRIC_NAMESPACES if fabric else _NAMESPACES)[namespace])
     except ImportError as error:
         raise ImportError(
-            f"hydra_fsdp.{prefix} needs the {namespace.replace('_', '-')} package, which is not installed:"
-            f" pip install {namespace.replace('_', '-')}."
+            f"hydra_fsdp.{prefix} needs the {namespace.replace('_', '-')} package (missing): pip install it."
         ) from error
     strategies = lightning.strategies
     # < 2.4: a concrete stand-in (ParallelStrategy is abstract), refused
@@ -2251,8 +2232,7 @@ def _namespace_in_use(namespaces: dict = _NAMESPACES) -> str:
         if importlib.util.find_spec(package.split(".")[0]) is not None:
             return namespace
     raise ImportError(
-        "hydra_fsdp needs Lightning, and neither pytorch-lightning nor lightning is installed:"
-        " pip install pytorch-lightning (or lightning)."
+        "hydra_fsdp: neither pytorch-lightning nor lightning is installed; pip install pytorch-lightning."
     )
 
 
@@ -2782,9 +2762,7 @@ def _launched_job(config_path: str) -> dict:
     try:  # its types, flags and rank 0's cached ${now:...} values
         task_cfg = pickle.loads(launch["config"])
     except (AttributeError, ImportError) as error:
-        raise RankLaunchError(
-            f"A child rank cannot make the job's config again: {error}. {_WHERE_CLASSES_GO}"
-        ) from error
+        raise RankLaunchError(f"A child rank cannot load the config: {error}. {_WHERE_CLASSES_GO}") from error
     _check_resolved_as_on_rank_0(task_cfg, launch["resolved"])
     if launch["task"] is not None:  # the job's own, which rank 0 could pickle
         task_function = pickle.loads(launch["task"])
@@ -2831,8 +2809,7 @@ def _check_resolved_as_on_rank_0(task_cfg: DictConfig, on_rank_0: dict) -> None:
                 f"the resolver {unregistered[0]!r} is registered on rank 0 only: register it at the top level"
                 ' of the script or of a module it imports, not in its `if __name__ == "__main__":` block.'
                 if unregistered
-                else f"register its resolver {' '.join(map(repr, resolvers))} with use_cache=True: every rank"
-                " then reads rank 0's value."
+                else f"register {' '.join(map(repr, resolvers))} with use_cache=True: all read rank 0's value"
             )
         )
 
