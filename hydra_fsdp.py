@@ -1190,6 +1190,8 @@ class _ChildRanks:
         proc = self.procs[rank]
         code = proc.poll()
         status = "still running" if code is None else _exit_status(code)
+        if code is not None and isinstance(proc, _ForkedChild) and proc.pid not in proc.server.exit_codes:
+            status = f"ended with the fork server (pid {proc.server.proc.pid})"  # not a failure of its own
         excerpt = "\n".join("    " + line for line in _log_excerpt(self.log(rank)))
         ending = f", ending with:\n{excerpt}" if excerpt else "."
         return f"rank {rank} (pid {proc.pid}, {status}); its log is {self.log(rank)}{ending}"
@@ -2343,13 +2345,16 @@ class HydraFSDPLauncher(Launcher):
         pending, agents, returns, ended = list(zip(numbers, job_overrides))[::-1], {}, {}, {}
         # Ranks fork from the fork server where a child can import the task function (else: the agent's own)
         lightning, importable = _NAMESPACES[_namespace_in_use()], _pickled(self.task_function, "")[0]
-        server = _ForkServer(lightning, self.config.hydra.job.env_set) if importable else None
+        started_server = functools.partial(_ForkServer, lightning, self.config.hydra.job.env_set)
+        server = started_server() if importable else None
         handlers = {signum: signal.signal(signum, _raise_interrupted) for signum in _STOP_SIGNALS}
         stopped, deadline = None, math.inf
         try:
             while agents or pending and stopped is None:
                 try:
                     while pending and stopped is None and len(agents) < self.n_jobs:
+                        if server is not None and server.proc.poll() is not None:  # it died: a new one
+                            server = started_server()
                         agents.update([self._fork_agent(server, *pending.pop())])
                     if time.monotonic() > deadline:
                         _signal_agents(agents, signal.SIGKILL)
@@ -2631,8 +2636,13 @@ def _outcome(children: _ChildRanks, failures: list, settled: bool, job_timeout: 
         )
         children.end_saying_where_they_stood(error, "Its ranks were still running;")
         raise error
-    first = failures[0] if failures else children.first_failed()  # the server lost: all read as killed
+    first = failures[0] if failures else children.first_failed()
     children.end()  # the others, at once, even blocked in a collective
+    if first is not None and not failures and (server := children.procs[first].server).lost:
+        raise ChildRankError(  # no rank failed: every one ended with it (PR_SET_PDEATHSIG)
+            f"The fork server (pid {server.proc.pid}) ended while the job ran, and the job's ranks with it:"
+            f" its error, if any, is in the sweep's output. {children.describe(first)}"
+        )
     result = children.job_dir / _RESULT_FILE
     outcome = {}
     if first in (0, None) and result.exists():
