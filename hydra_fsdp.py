@@ -97,6 +97,10 @@ _FABRIC_NAMESPACES = {"lightning_fabric": "lightning_fabric", "lightning": "ligh
 
 LAUNCH_DELAY_ENV = "MUSHIN_DDP_LAUNCH_DELAY"
 DEFAULT_LAUNCH_DELAY = 1.0
+# On SIGINT or SIGTERM, how long the job's child ranks have to exit before SIGKILL (torchrun's 30 s); the
+# strategies' shutdown_grace argument wins over it.
+SHUTDOWN_GRACE_ENV = "MUSHIN_DDP_SHUTDOWN_GRACE"
+DEFAULT_SHUTDOWN_GRACE = 30.0
 DEFAULT_RANK_TIMEOUT = 600.0
 _LAUNCH_FILE = "rank_config.pickle"  # in the job's dir while it runs: its config, and all a child needs
 _CHILD_ENV = "HYDRA_FSDP_CONFIG"  # set for the child ranks hydra_fsdp starts: the config they run
@@ -160,14 +164,15 @@ def _upstream_changed(name: str, why: str) -> RankLaunchError:
 # -------------------- what rank 0 reads
 
 
-def _launch_delay() -> float:
-    raw = os.environ.get(LAUNCH_DELAY_ENV, str(DEFAULT_LAUNCH_DELAY))
+def _launch_delay(name: str = LAUNCH_DELAY_ENV, default: float = DEFAULT_LAUNCH_DELAY) -> float:
+    """The seconds an environment variable (``name``) sets: by default the stagger between two child
+    starts; also the shutdown grace (``SHUTDOWN_GRACE_ENV``)."""
+    raw = os.environ.get(name, str(default))
     with contextlib.suppress(ValueError):  # not a number: the same error as a number out of range
         if 0 <= float(raw) < math.inf:
             return float(raw)
     raise RankLaunchError(
-        f"{LAUNCH_DELAY_ENV}={raw!r} is not a number of seconds: expected a finite number >= 0"
-        f" (e.g. {LAUNCH_DELAY_ENV}=1, or 0 to start child ranks without a pause)."
+        f"{name}={raw!r} is not a number of seconds: expected a finite number >= 0 (e.g. {name}=1, or 0)."
     )
 
 
@@ -935,6 +940,7 @@ class _LaunchSpec(NamedTuple):
     rank_timeout: float
     module_key: str
     datamodule_key: str
+    shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE  # on SIGINT or SIGTERM: the children's, before SIGKILL
 
 
 class _Sweep(Callback):
@@ -1084,14 +1090,17 @@ class _StageAbort:
                     self.for_rank = for_rank
                 _abort_groups()
                 if for_rank is not None and not torch.distributed.is_initialized():
-                    _hang_up_on(self.store_port)  # rank 0 may wait for the dead child in init_process_group
+                    _hang_up_on({self.store_port})  # rank 0 may wait for the dead child in init_process_group
 
 
-def _hang_up_on(port: int) -> None:
-    """Shut this process's connections to the job's store (on ``port``), so that a wait on it fails at once:
-    rank 0's for a child that died as the ranks met, in init_process_group, inside torch's C++ store, where no
-    Python code runs and no process group exists yet to abort; it would last the group's timeout (30 minutes
-    by default). Not ended: a wait in NCCL's own bootstrap, and one on a connection made after this.
+def _hang_up_on(ports: set) -> None:
+    """Shut this process's TCP connections to ``ports``, so that a wait on them fails at once. Rank 0's to
+    the job's store, for a child that died as the ranks met, in init_process_group, inside torch's C++ store,
+    where no Python code runs and no process group exists yet to abort; it would last the group's timeout
+    (30 minutes by default). Not ended: a wait in NCCL's own bootstrap, and one on a connection made after
+    this. And on SIGINT or SIGTERM rank 0's to its children's ports (``_ports_of``): gloo's pairs, so that no
+    child stays blocked in a collective that waits for rank 0 (where its signal handler never runs) until
+    the grace ends; neither a gloo group's abort nor its destroy, while DDP holds it, closes them.
 
     By C calls on the descriptors: a socket object made of one sets it non-blocking where a default
     timeout is set (socket.setdefaulttimeout), under whoever owns it."""
@@ -1101,13 +1110,33 @@ def _hang_up_on(port: int) -> None:
         size.value = len(peer)
         if libc.getpeername(fd, peer, ctypes.byref(size)) == 0:  # a connected socket
             family = int.from_bytes(peer.raw[:2], sys.byteorder)
-            if family in (socket.AF_INET, socket.AF_INET6) and int.from_bytes(peer.raw[2:4], "big") == port:
+            if family in (socket.AF_INET, socket.AF_INET6) and int.from_bytes(peer.raw[2:4], "big") in ports:
                 libc.shutdown(fd, socket.SHUT_RDWR)
+
+
+def _ports_of(pids: list) -> set:
+    """The local ports of the TCP sockets that processes ``pids`` (of this user) hold, from /proc."""
+    sockets = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):  # it exited
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    sockets.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for fields in map(str.split, Path(table).read_text().splitlines()[1:]):
+                if f"socket:[{fields[9]}]" in sockets:
+                    ports.add(int(fields[1].rpartition(":")[2], 16))
+    return ports
 
 
 class _ChildRanks:
     """A job's child ranks: added as they start, stopped by a signal from any thread, ended with every wait
-    bounded, described by their logs."""
+    bounded, described by their logs. The one place where both routes end a job's ranks, in the shape of
+    torch elastic's ``PContext.close``: on SIGINT or SIGTERM the signal to each child once, a grace for all to
+    exit (their graceful shutdown), then SIGKILL to the rest (``stop``, ``end``, ``close``); on a failure or
+    a timeout, SIGKILL at once (``end``)."""
 
     def __init__(self, job_dir: Path, said: threading.Condition) -> None:
         self.job_dir = job_dir
@@ -1117,7 +1146,8 @@ class _ChildRanks:
         # Held only while a kill is written to the fork server (proc.kill: one write to a pipe).
         self.lock = threading.RLock()
         self.stopped_by: int | None = None  # the signal that stopped them
-        self.unkillable: set = set()  # ranks that outlived SIGKILL: not waited for again
+        # ranks that outlived SIGKILL: not waited for again; ranks still running at the grace's end
+        self.unkillable, self.killed = set(), set()
 
     def add(self, rank: int, proc: Any) -> None:
         with self.lock:
@@ -1125,32 +1155,43 @@ class _ChildRanks:
             if self.stopped_by is not None:
                 proc.kill()
 
-    def stop(self, signum: int, to_send: int = signal.SIGKILL) -> None:
-        """SIGTERM or SIGINT (``signum``) reached the process that started them: send every child
-        ``to_send``, from whichever thread."""
+    def stop(self, signum: int, grace: float, again: bool = False) -> None:
+        """SIGTERM or SIGINT (``signum``) reached the process that started them, from whichever thread. The
+        first to say so (the signal watch thread, Lightning's SIGTERM handler, ``close``: one signal often
+        comes by two of them) sends it on to every child, once; hangs up this process's connections to them
+        (``_hang_up_on``); and starts a thread that ends them ``grace`` s later (``end``), even while the
+        caller is blocked (rank 0's main thread in a collective). ``again``: a second signal (a second
+        Ctrl-C), which only the watch thread counts: SIGKILL to every child at once."""
         with self.lock:
-            self.stopped_by = signum
-            for proc in list(self.procs.values()):
-                proc.send_signal(to_send)
+            first = self.stopped_by is None
+            if first:
+                self.deadline, self.stopped_by = time.monotonic() + grace, signum  # read unlocked by end
+            for proc in list(self.procs.values()) if first or again else ():
+                proc.send_signal(signum if first else signal.SIGKILL)
+        if first:
+            _hang_up_on(_ports_of([proc.pid for proc in list(self.procs.values())]))
+            threading.Thread(target=self.end, name="hydra-fsdp-grace", daemon=True).start()
 
     def close(self, signum: int, grace: float) -> list:
-        """End them as torch elastic's ``PContext.close`` does: ``signum`` to every child, up to ``grace`` s
-        for all to exit (their graceful shutdown: Lightning's ``on_exception`` hooks, its loggers' finalize),
-        then SIGKILL to the rest (``end``), which it returns; a second signal here cuts the grace short."""
-        self.stop(signum, signum)
-        try:
-            _wait_until(self.said, lambda: not self.running(), grace)
-            return self.running()
-        finally:
-            self.end()
+        """End them as torch elastic's ``PContext.close`` does: ``signum`` to every child (``stop``), up to
+        ``grace`` s for all to exit (their graceful shutdown: Lightning's ``on_exception`` hooks, its
+        loggers' finalize), then SIGKILL to the rest (``end``), which it returns; a second signal cuts the
+        grace short."""
+        self.stop(signum, grace)
+        self.end()
+        return sorted(self.killed)
 
     def end(self) -> None:
         """SIGKILL every child still running and reap it, each wait bounded as torch elastic's: a child the
-        kernel holds (uninterruptible sleep) is left to the fork server, and the sweep goes on."""
-        for proc in self.procs.values():
+        kernel holds (uninterruptible sleep) is left to the fork server, and the sweep goes on. Once a signal
+        stopped them, not before the grace it gave them ends (``stop``): whoever ends them, it holds."""
+        if self.stopped_by is not None:
+            _wait_until(self.said, lambda: not self.running(), self.deadline - time.monotonic())
+            self.killed.update(self.running())
+        for proc in list(self.procs.values()):
             proc.kill()
         deadline = time.monotonic() + _KILL_WAIT
-        for rank, proc in self.procs.items():
+        for rank, proc in list(self.procs.items()):
             try:
                 if rank not in self.unkillable:
                     proc.wait(max(0.0, deadline - time.monotonic()))
@@ -1165,7 +1206,7 @@ class _ChildRanks:
         return self.job_dir / f"rank_{rank}.log"
 
     def running(self) -> list:
-        return [rank for rank, proc in self.procs.items() if proc.poll() is None]
+        return [rank for rank, proc in list(self.procs.items()) if proc.poll() is None]
 
     def first_failed(self) -> int | None:
         return next((rank for rank, proc in self.procs.items() if proc.poll() not in (None, 0)), None)
@@ -1256,7 +1297,7 @@ class _Job:
     ranks. ``close`` undoes what the job did, the last first, however it ended."""
 
     def __init__(self, sweep: _Sweep, spec: _LaunchSpec, hydra_job: dict) -> None:
-        self.sweep, self.spec = sweep, spec
+        self.sweep, self.spec, self.started = sweep, spec, time.monotonic()
         self.job_return = hydra_job["ret"]
         self.children = _ChildRanks(Path(HydraConfig.get().runtime.output_dir), sweep.said)
         self.released = False  # the children were told to run the job (_GO_KEY)
@@ -1270,7 +1311,8 @@ class _Job:
         self.store = sweep.new_store(spec.address)
         self.abort = _StageAbort(self.store.port)
         os.environ["MASTER_PORT"] = str(self.store.port)
-        self.closing.callback(_SignalWatch(self.children.stop).close)
+        stop = functools.partial(self.children.stop, grace=spec.shutdown_grace)
+        self.closing.callback(_SignalWatch(stop).close)
         self.closing.callback(lambda: _destroy_process_group(aborted=self.abort.aborted))
         self.closing.callback((self.children.job_dir / _LAUNCH_FILE).unlink, missing_ok=True)
         self.closing.callback(self.children.end)
@@ -1334,12 +1376,16 @@ class _Job:
 
     def error_for(self, error: BaseException) -> BaseException:
         """The error a stage that raised on rank 0 fails the job with; the children are ended. Decided once:
-        at the job's end the children it ended have exited killed, which is no failure of theirs."""
+        at the job's end the children it ended have exited killed, which is no failure of theirs. On SIGINT
+        or SIGTERM the children first get the grace (``_ChildRanks.close``), and the job ends the sweep as
+        the signal does (130, 143), saying so as the launcher's jobs do (``_interruption``)."""
         signum = self.children.stopped_by
         if signum is None and isinstance(error, KeyboardInterrupt):
             # Ctrl-C, its handler first to run (Lightning < 2.3 swallows it: the sweep would go on).
             signum = signal.SIGINT
         if signum is not None:
+            killed = self.children.close(signum, self.spec.shutdown_grace)
+            log.error(f"hydra_fsdp: {_interruption(signum, time.monotonic() - self.started, killed)}")
             error = SystemExit(128 + signum)
         elif not isinstance(error, (ChildRankError, RankLaunchError, KeyboardInterrupt, SystemExit)):
             # a collective that failed because a child failed: the child's error is the job's
@@ -1401,9 +1447,10 @@ def _restore_environ(saved: dict) -> None:
 
 
 class _SignalWatch:
-    """End the job's children the moment SIGTERM or SIGINT reaches rank 0: Python runs a handler only
+    """Stop the job's children the moment SIGTERM or SIGINT reaches rank 0: Python runs a handler only
     once the main thread is back in the interpreter, which one blocked in a collective never is, but the
-    C handler writes the signal to the wakeup fd at once. This thread reads it and ends the children."""
+    C handler writes the signal to the wakeup fd at once. This thread reads it and stops the children
+    (``_ChildRanks.stop``: the signal once, then the grace), and on a second signal kills them."""
 
     watching: "_SignalWatch | None" = None  # the one running, which a fork of rank 0 drops (in_a_fork)
     forks_drop_it = False  # os.register_at_fork's hook, registered by the first watch: it stays
@@ -1437,12 +1484,14 @@ class _SignalWatch:
         raise SystemExit(128 + signum)
 
     @staticmethod
-    def _watch(read_fd: int, on_signal: Callable[[int], None]) -> None:
+    def _watch(read_fd: int, on_signal: Callable[..., None]) -> None:
+        again = False
         with open(read_fd, "rb", buffering=0) as wakeups:
             while received := wakeups.read(64):  # b"" once every write end is closed
                 for signum in received:
                     if signum in (signal.SIGTERM, signal.SIGINT):
-                        on_signal(signum)
+                        on_signal(signum, again=again)
+                        again = True
 
     @staticmethod
     def in_a_fork() -> None:
@@ -1701,7 +1750,7 @@ class _HydraRankLauncher:
             )
         devices, lightning = tuple(strategy.parallel_devices), strategy._lightning.__name__
         spec = _LaunchSpec(strategy.world_size, devices, env.main_address, lightning, strategy.rank_timeout,
-                           **strategy._config_keys)  # fmt: skip
+                           **strategy._config_keys, shutdown_grace=strategy.shutdown_grace)  # fmt: skip
         job = _sweep.job_for(spec, hydra_job)
         strategy._job_gpus = job.placement.gpus
         try:
@@ -1717,9 +1766,10 @@ class _HydraRankLauncher:
             raise job_error from error
 
     def kill(self, signum: int) -> None:
-        """Called by Lightning's SIGTERM handler: the job, and with it the sweep, is to stop."""
-        if _sweep.job is not None:
-            _sweep.job.children.stop(signum)
+        """Called by Lightning's SIGTERM handler (with SIGKILL for its own children on some releases): the
+        job, and with it the sweep, is to stop, its children after their grace (``_ChildRanks.stop``)."""
+        if (job := _sweep.job) is not None:
+            job.children.stop(signal.SIGTERM, job.spec.shutdown_grace)
 
 
 def _check_launched_world_size(num_nodes: int, devices: int) -> None:
@@ -1891,10 +1941,19 @@ class _HydraStrategy:
     _lightning: types.ModuleType
 
     def __init__(self, *args: Any, rank_timeout: float = DEFAULT_RANK_TIMEOUT, module_key: str = "module",
-                 datamodule_key: str = "datamodule", **kwargs: Any) -> None:  # fmt: skip
+                 datamodule_key: str = "datamodule", shutdown_grace: float | None = None,
+                 **kwargs: Any) -> None:  # fmt: skip
         if type(rank_timeout) is bool or not isinstance(rank_timeout, (int, float)) or not rank_timeout > 0:
             raise ValueError(
                 f"rank_timeout={rank_timeout!r}: expected seconds > 0 (default {DEFAULT_RANK_TIMEOUT:g})."
+            )
+        # on SIGINT or SIGTERM, the seconds its child ranks have to exit before SIGKILL: this, else the
+        # environment's MUSHIN_DDP_SHUTDOWN_GRACE, else 30
+        if shutdown_grace is None:
+            shutdown_grace = _launch_delay(SHUTDOWN_GRACE_ENV, DEFAULT_SHUTDOWN_GRACE)
+        if type(shutdown_grace) not in (int, float) or not shutdown_grace >= 0:
+            raise ValueError(
+                f"shutdown_grace={shutdown_grace!r}: expected seconds >= 0 (e.g. 30, as torchrun)"
             )
         config_keys = {"module_key": module_key, "datamodule_key": datamodule_key}
         for name, key in config_keys.items():
@@ -1902,7 +1961,7 @@ class _HydraStrategy:
                 raise ValueError(f"{name}={key!r}: expected the non-empty name of a key of the job's config.")
         _check_versions(self._lightning, type(self).__name__)
         super().__init__(*args, **kwargs)
-        self.rank_timeout, self._config_keys = rank_timeout, config_keys
+        self.rank_timeout, self._config_keys, self.shutdown_grace = rank_timeout, config_keys, shutdown_grace
         self._stage_ckpt_path: str | None = None
         self._job_gpus: list | None = None  # the GPUs this rank's job holds, by rank (see _placement)
 
