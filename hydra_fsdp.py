@@ -1075,9 +1075,13 @@ class _StageAbort:
             self.end()
 
     def end(self) -> None:
-        """No abort after this: the lock is held only by an abort under way, which NCCL's abort bounds."""
-        with self.lock:
-            self.in_stage = False
+        """No abort after this: the lock is held only by an abort under way, waited for ``_KILL_WAIT`` s at
+        most. NCCL's abort can block (a communicator stuck in a kernel): the job then ends all the same (no
+        later abort starts: one waiting for the lock finds the stage over), its abort left to its thread."""
+        locked = self.lock.acquire(timeout=_KILL_WAIT)
+        self.in_stage = False
+        if locked:
+            self.lock.release()
 
     def abort(self, for_rank: int | None = None) -> None:
         """For a child that failed (``for_rank``) while a stage runs: NCCL would wait for it until the
