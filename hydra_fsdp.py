@@ -33,6 +33,46 @@ The sections follow one job, from rank 0's first look at it to a child rank's st
 Private names of torch, Lightning and Hydra are used only where no public API does the job, and each is
 guarded where it is used: a change upstream raises ``RankLaunchError`` naming it (``_upstream_changed``)
 instead of hanging a job.
+
+The processes, threads and locks, and who owns each (starts it, and ends or lets go of it):
+
+==============================  =========================================================================
+the sweep (a process)           Hydra's: the sweeper; on the strategies' route every job's rank 0 too (or a
+                                joblib/submitit worker is rank 0). Owns the fork server, and under the
+                                launcher the job agents. SIGINT/SIGTERM to it: see *stopping*, below.
+a job agent (the launcher)      a fork of the sweep per running job, in a process group of its own: runs
+                                Hydra's ``run_job``, starts, waits for and ends the job's ranks. Owned by
+                                the sweep; it dies with the sweep (``_exit_with``).
+the fork server                 one per sweep (one per agent for a task function no child can import):
+                                forks every child rank, ignores SIGINT. Owned by the connection that
+                                started it; it ends as that one closes, its children with it.
+a child rank                    a fork of the fork server, in a process group of its own (a terminal's
+                                Ctrl-C reaches rank 0, or the sweep, alone), dying with the server
+                                (``PR_SET_PDEATHSIG``). Owned by its job: ``_ChildRanks``.
+the fork server's reader        (thread "hydra-fsdp-fork-server") of each process holding a connection
+                                (rank 0, an agent): reads its replies, notifies ``said``, starts a failed
+                                child's ``on_failure`` (the stage's abort) on a thread of its own.
+the signal watch                (thread "hydra-fsdp-signals") of rank 0's job, from its start to its end
+                                (``_SignalWatch``): passes SIGINT/SIGTERM on to the children once.
+the grace                       (thread "hydra-fsdp-grace") of a stopped job (``_ChildRanks.stop``): ends
+                                the children still running when the grace ends.
+the claim threads               (threads "hydra-fsdp-claim") of a job that waits for devices, one per busy
+                                device (``_claim_in_turn``); each ends when its device's holder lets go.
+``_ChildRanks.lock``            a job's: held while signals are written to the fork server (``stop``,
+                                ``add``), from the watch thread, a signal handler or the main thread.
+``_StageAbort.lock``            a job's: held by the abort of its stage under way (a thread of its own);
+                                the stage's end waits for it ``_KILL_WAIT`` s at most.
+claim flocks                    one file per device (and a queue's) in the claims folder, locked by the
+                                process that runs the job's devices' claim (rank 0, or the job's agent)
+                                for the job's life; the kernel lets go of them when that process ends.
+==============================  =========================================================================
+
+*Stopping*: on SIGINT (Ctrl-C) or SIGTERM, on both routes, every running rank gets that signal once, then
+a grace to exit (its graceful shutdown: Lightning's ``on_exception`` hooks, its loggers' finalize; 30 s by
+default, ``shutdown_grace``: the strategies' argument or ``MUSHIN_DDP_SHUTDOWN_GRACE``, and
+``hydra.launcher.shutdown_grace``), then SIGKILL (``_ChildRanks.close``, in the shape of torch elastic's
+``PContext.close``). The job is reported as interrupted, no next job starts, and the sweep exits 130 (or by
+SIGINT) or 143. A second Ctrl-C kills every rank at once.
 """
 
 __version__ = "0.2.0"
