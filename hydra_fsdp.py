@@ -195,9 +195,8 @@ class ChildRankError(RuntimeError):
 def _upstream_changed(name: str, why: str) -> RankLaunchError:
     """The error for a private name of torch, Lightning or Hydra that is not what it was."""
     return RankLaunchError(
-        f"hydra_fsdp relies on {name}, private to its package, to {why}; the version installed here"
-        f" does not have it as expected. Known to work: {_KNOWN_TO_WORK}. Install one of those, or"
-        " adapt the copy of hydra_fsdp.py where it calls _upstream_changed for it."
+        f"hydra_fsdp relies on {name}, private to its package, to {why}; this release differs. Known to work:"
+        f" {_KNOWN_TO_WORK}. Install one, or adapt hydra_fsdp.py where it calls _upstream_changed for it."
     )
 
 
@@ -212,7 +211,7 @@ def _launch_delay(name: str = LAUNCH_DELAY_ENV, default: float = DEFAULT_LAUNCH_
         if 0 <= float(raw) < math.inf:
             return float(raw)
     raise RankLaunchError(
-        f"{name}={raw!r} is not a number of seconds: expected a finite number >= 0 (e.g. {name}=1, or 0)."
+        f"{name}={raw!r} is not a number of seconds: expected finite, >= 0 (0: none), e.g. 1."
     )
 
 
@@ -408,22 +407,17 @@ def _write_launch(path: Path, hydra_job: dict, spec: "_LaunchSpec") -> bool:
     task, why_not, script = _pickled(hydra_job["task_function"], "the task function")
     config, why_not_config, script = _pickled(task_cfg, "the job's config", script)
     if config is None:
-        raise RankLaunchError(
-            f"Child ranks cannot have this job's config: {why_not_config}. {_WHERE_CLASSES_GO}"
-        )
+        raise RankLaunchError(f"Child ranks cannot have the config: {why_not_config}. {_WHERE_CLASSES_GO}")
     if task is None and (spec.lightning.endswith("fabric") or spec.module_key is None):  # no fallback
-        raise RankLaunchError(
-            f"Child ranks cannot run this job: {why_not}. Define it at the top level of an importable file."
-        )
+        raise RankLaunchError(f"{why_not}. Child ranks need it defined at an importable file's top level.")
     if task is None:
         missing = [key for key in ("trainer", spec.module_key) if key not in task_cfg]
         if missing:
             raise RankLaunchError(
                 f"Child ranks cannot run this job: {why_not}, and the job's config has no"
                 f" {', '.join(repr(k) for k in missing)} key (it has:"
-                f" {', '.join(map(str, task_cfg)) or 'nothing'})"
-                " to build the trainer and module from instead. Define the task function at the top level of"
-                " an importable file, or put them in the config (name the module's key: module_key='model')."
+                f" {', '.join(map(str, task_cfg)) or 'nothing'}) for the trainer and module. Define the task"
+                " function at an importable file's top level, or add them (module_key='model' names its key)."
             )
         log.warning(f"hydra_fsdp: child ranks build the config's trainer and module, because {why_not}.")
     launch = {
@@ -587,17 +581,12 @@ class _ForkServer:
         request = {"command": command, "env": env, "cwd": os.getcwd(), "log": str(log)}
         with contextlib.suppress(OSError):  # a server that died says so by its end
             self.conn.sendall(json.dumps(request).encode())
-        if not _wait_until(self.said, lambda: self.started or self.lost, timeout):
+        if not _wait_until(self.said, lambda: self.started or self.lost, timeout) or not self.started:
             self.end()
+            how = "and ended (its error is above)" if self.lost else f"within {timeout:g} s and was ended"
             raise ChildRankError(
-                f"hydra_fsdp's fork server (pid {self.proc.pid}), which imports {', '.join(self.imports)}"
-                f" once for the sweep's child ranks, started none within {timeout:g} s and was ended. Raise"
-                " rank_timeout if imports are this slow here (a shared file system)."
-            )
-        if not self.started:
-            raise ChildRankError(
-                f"hydra_fsdp's fork server (pid {self.proc.pid}) ended before it started a child rank; its"
-                " error is in the sweep's output above."
+                f"hydra_fsdp's fork server (pid {self.proc.pid}), importing {', '.join(self.imports)} for the"
+                f" sweep's ranks, started none {how}. Raise rank_timeout if imports are this slow here."
             )
         with self.said:
             pid = self.started.pop(0)
@@ -670,10 +659,9 @@ def _serve_forks(imports: list, owner: int) -> None:
     # The children's collections skip what the server holds (0.2 s, and a copy of every page).
     gc.freeze()
     gc.enable()
-    sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a child has its own, and a group of its own
-    parent = os.getppid()
-    conns = {owner: socket.socket(fileno=owner)}  # by fd
-    children: dict = {}  # pid: the fd of the connection it is reported to (None: that one closed)
+    # A child has its SIGINT handler back, in a process group of its own: its parent passes a signal on.
+    sigint, parent = signal.signal(signal.SIGINT, signal.SIG_IGN), os.getppid()
+    conns, children = {owner: socket.socket(fileno=owner)}, {}  # by fd; pid: its connection's fd, or None
     while os.getppid() == parent and owner in conns:
         for fd in select.select(list(conns), [], [], _POLL_INTERVAL)[0]:
             message, fds = b"", []
@@ -778,22 +766,13 @@ def _claims_folder() -> Path | None:
     folder = Path(setting or f"/tmp/hydra_fsdp-{os.getuid()}")
     with contextlib.suppress(FileExistsError):
         folder.mkdir(mode=0o700, parents=True)
-    try:  # the folder itself, never followed through a symlink: another user may make one in /tmp
-        fd = os.open(folder, os.O_RDONLY | os.O_NOFOLLOW | os.O_DIRECTORY)
-    except OSError as error:  # ELOOP: a symlink; ENOTDIR: a file
-        what = f"a symlink to {os.readlink(folder)}" if folder.is_symlink() else error.strerror.lower()
+    found = os.lstat(folder)  # the folder itself, never followed: another user may make a symlink in /tmp
+    what = f"owner uid {found.st_uid}, mode {found.st_mode & 0o777:o}"
+    what = f"a symlink to {os.readlink(folder)}" if folder.is_symlink() else what
+    if folder.is_symlink() or not folder.is_dir() or found.st_uid != os.getuid() or found.st_mode & 0o22:
         raise RankLaunchError(
-            f"hydra_fsdp keeps its jobs' claims on devices in {folder}, which is {what}; expected a folder of"
-            " your own, which it makes (it never follows a symlink). Remove it, or name a folder of your own:"
-            f" {_CLAIMS_ENV}=<folder> (or off: claim nothing)."
-        ) from None
-    found = os.fstat(fd)
-    os.close(fd)
-    if found.st_uid != os.getuid() or found.st_mode & 0o022:
-        raise RankLaunchError(
-            f"hydra_fsdp keeps its jobs' claims on devices in {folder}, which is not yours alone (owner uid"
-            f" {found.st_uid}, mode {found.st_mode & 0o777:o}; expected {os.getuid()}, writable by you only)."
-            f" Remove it, or name a folder of your own: {_CLAIMS_ENV}=<folder> (or off: claim nothing)."
+            f"Device claims go in {folder}, which is {what}; expected a folder of your own (uid"
+            f" {os.getuid()}), writable by you only. Remove it, or set {_CLAIMS_ENV}=<dir> (off: no claims)."
         )
     return folder
 
@@ -807,8 +786,7 @@ def _claim(folder: Path, kind: str, inventory: list, count: int, job: contextlib
     if count > len(inventory):
         raise RankLaunchError(
             f"This job asks for {count} {kind}s, and hydra_fsdp's jobs may use {len(inventory)} on this node"
-            f" ({', '.join(inventory)}): ask for at most {len(inventory)}, or let them use more ({_GPUS_ENV}"
-            " for GPUs, the process's CPU affinity for cores)."
+            f" ({', '.join(inventory)}): ask for fewer, or allow more ({_GPUS_ENV}; for cores, CPU affinity)."
         )
     with os.fdopen(os.open(folder / f"{kind}.queue", os.O_RDWR | os.O_CREAT, 0o600)) as queue:
         # Waits in the kernel, and a signal interrupts it; bounded by the claims of the jobs ahead, each
@@ -918,10 +896,7 @@ def _gpu_inventory() -> dict:
         indexes = [int(index) for index in allowed.split(",")] if allowed else range(count)
         if all(0 <= index < count for index in indexes):
             return {index: names[index] for index in indexes}
-    raise RankLaunchError(
-        f"{_GPUS_ENV}={allowed!r}: expected the numbers of GPUs a sweep's jobs may use, comma-separated,"
-        f" each below the {count} torch sees here (e.g. {_GPUS_ENV}=0,1)."
-    )
+    raise RankLaunchError(f"{_GPUS_ENV}={allowed!r}: expected numbers below the {count} torch sees, e.g. 0,1")
 
 
 def _cores_per_job(cores: int) -> int:
@@ -1001,9 +976,8 @@ class _Sweep(Callback):
         """The job's ranks for a stage of ``spec``: those started at Hydra's start of the job if alike."""
         if hydra_job is None or not HydraConfig.initialized():
             raise RankLaunchError(
-                "hydra_fsdp's strategies start child ranks from the running Hydra job's config, but no Hydra"
-                " job is running here. Call trainer.fit/test/... in a Hydra task function (@hydra.main,"
-                " hydra_zen.zen, hydra_zen.launch), or use Lightning's own strategy outside Hydra."
+                "Child ranks start from the Hydra job's config; no Hydra job runs here: call trainer.fit/..."
+                " in a Hydra task function (@hydra.main, hydra_zen), or use Lightning's own strategy."
             )
         if (job := self.job) is not None and job.job_return is hydra_job.get("ret"):
             if job.spec == spec:
@@ -1301,9 +1275,9 @@ class _ChildRanks:
     def describe(self, rank: int) -> str:
         proc = self.procs[rank]
         code = proc.poll()
-        status = "still running" if code is None else f"exit code {code}"
-        if code is not None and code < 0:
-            status += f" (killed by {signal.Signals(-code).name})"
+        status = "still running" if code is None else _exit_status(code)
+        if code is not None and isinstance(proc, _ForkedChild) and proc.pid not in proc.server.exit_codes:
+            status = f"ended with the fork server (pid {proc.server.proc.pid})"  # not a failure of its own
         excerpt = "\n".join("    " + line for line in _log_excerpt(self.log(rank)))
         ending = f", ending with:\n{excerpt}" if excerpt else "."
         return f"rank {rank} (pid {proc.pid}, {status}); its log is {self.log(rank)}{ending}"
@@ -1636,9 +1610,7 @@ def _abort_groups() -> None:
         elif hasattr(backend, "_shutdown"):  # torch 2.3 to 2.5
             backend._shutdown()
         elif type(backend).__name__ == "ProcessGroupNCCL":  # a torch that ends NCCL otherwise: say so
-            log.warning(
-                "hydra_fsdp: this NCCL has no abort(): collectives on a failed child wait for their timeout."
-            )
+            log.warning("hydra_fsdp: no NCCL abort(): collectives on a failed child wait for their timeout.")
 
 
 def _backends_of(group: Any) -> list:
@@ -1789,8 +1761,7 @@ class _HydraRankLauncher:
             return function(*args, **kwargs)
         if strategy.num_nodes > 1:
             raise RankLaunchError(
-                f"num_nodes={strategy.num_nodes}, but hydra_fsdp starts child ranks on one node only."
-                " Across nodes, let torchrun or SLURM start every rank."
+                f"num_nodes={strategy.num_nodes}: hydra_fsdp starts ranks on 1 node; use torchrun or SLURM."
             )
         devices, lightning = tuple(strategy.parallel_devices), strategy._lightning.__name__
         spec = _LaunchSpec(strategy.world_size, devices, env.main_address, lightning, strategy.rank_timeout,
@@ -1822,9 +1793,8 @@ def _check_launched_world_size(num_nodes: int, devices: int) -> None:
     if launched is not None and int(launched) != num_nodes * devices:
         raise RankLaunchError(
             f"The external launcher started {launched} processes (world size), but the strategy expects"
-            f" num_nodes x devices = {num_nodes} x {devices} = {num_nodes * devices}. Start one process per"
-            " device on every node (torchrun --nnodes=<num_nodes> --nproc-per-node=<devices>, or SLURM"
-            " --nodes=<num_nodes> --ntasks-per-node=<devices>), or set num_nodes and devices to match."
+            f" num_nodes x devices = {num_nodes} x {devices} = {num_nodes * devices}. Run one per device per"
+            " node (torchrun --nproc-per-node, SLURM --ntasks-per-node), or set num_nodes/devices to match."
         )
 
 
@@ -1851,14 +1821,13 @@ def _check_ranks_agree(strategy: "_HydraStrategy") -> None:
     ]
     more = len(differing) - _DIFFERENCES_SHOWN
     raise RankLaunchError(
-        f"The ranks of this job are about to run different things in {mine['stage']}, and"
-        " would deadlock on their first different collective; they disagree on it:\n"
+        f"The ranks of this job are about to run different things in {mine['stage']}; they disagree on it:\n"
         + "\n".join(differences)
         + (f"\n  ... and {more} more" if more > 0 else "")
-        + "\nBuild the same trainer (or Fabric), module and data on every rank (no `if rank == 0` around"
-        " callbacks or loggers). Under torchrun or SLURM every process resolves the config itself: no"
-        " ${now:...} or random values in hydra.sweep.dir, hydra.run.dir or the config; use a value the"
-        " launcher gives every process alike, e.g. hydra.sweep.dir=multirun/${oc.env:SLURM_JOB_ID}."
+        + "\nBuild the same trainer (or Fabric), module and data on every rank, else they deadlock (no"
+        " `if rank == 0` around callbacks or loggers). Under torchrun or SLURM each process resolves the"
+        " config itself: no ${now:...} or random values in hydra.sweep.dir, hydra.run.dir or the config;"
+        " use a value the launcher gives all alike, e.g. hydra.sweep.dir=multirun/${oc.env:SLURM_JOB_ID}."
     )
 
 
@@ -2335,8 +2304,7 @@ def _strategies_for(namespace: str, fabric: bool = False) -> types.SimpleNamespa
         lightning = importlib.import_module((_FABRIC_NAMESPACES if fabric else _NAMESPACES)[namespace])
     except ImportError as error:
         raise ImportError(
-            f"hydra_fsdp.{prefix} needs the {namespace.replace('_', '-')} package, which is not installed:"
-            f" pip install {namespace.replace('_', '-')}."
+            f"hydra_fsdp.{prefix} needs the {namespace.replace('_', '-')} package (missing): pip install it."
         ) from error
     strategies = lightning.strategies
     # < 2.4: a concrete stand-in (ParallelStrategy is abstract), refused
@@ -2370,8 +2338,7 @@ def _namespace_in_use(namespaces: dict = _NAMESPACES) -> str:
         if importlib.util.find_spec(package.split(".")[0]) is not None:
             return namespace
     raise ImportError(
-        "hydra_fsdp needs Lightning, and neither pytorch-lightning nor lightning is installed:"
-        " pip install pytorch-lightning (or lightning)."
+        "hydra_fsdp: neither pytorch-lightning nor lightning is installed; pip install pytorch-lightning."
     )
 
 
@@ -2443,15 +2410,6 @@ def _raise_interrupted(signum: int, frame: Any) -> None:
     raise _Interrupted(signum)
 
 
-class _Agent(NamedTuple):
-    """A running job agent, as the sweep's process knows it."""
-
-    pid: int
-    number: int
-    config: DictConfig  # the job's, with Hydra's
-    said: list  # what it wrote back so far
-
-
 class HydraFSDPLauncher(Launcher):
     """Run each job's ranks 0..N-1 as forks of the fork server, each as torchrun would start it::
 
@@ -2466,17 +2424,16 @@ class HydraFSDPLauncher(Launcher):
     1..N-1 once it serves the job's store on MASTER_PORT, in Lightning's order. The job's result is rank
     0's: its return value, or its exception; else the error of the rank that failed first."""
 
-    def __init__(self, nproc_per_node: Any = None, accelerator: Any = None, n_jobs: int = 1,
-                 job_timeout: Any = None, rank_timeout: float = DEFAULT_RANK_TIMEOUT,
-                 start_ranks_together: bool = False, shutdown_grace: float = 30.0) -> None:  # fmt: skip
-        # nproc_per_node and accelerator are read per job, from the job's config (_start_ranks)
+    def __init__(
+        self, n_jobs: int = 1, job_timeout: Any = None, shutdown_grace: float = 30.0, **per_job: Any
+    ):
+        # the others (nproc_per_node, accelerator, ...) are read per job, from the job's config (_job_spec)
         if type(n_jobs) is not int or n_jobs < 1 or not (job_timeout is None or job_timeout > 0):
             raise ValueError(
                 f"hydra.launcher.n_jobs={n_jobs!r}, job_timeout={job_timeout!r}: expected n_jobs an int >= 1"
                 " and job_timeout seconds > 0, or null for no limit."
             )
-        self.n_jobs, self.job_timeout = n_jobs, job_timeout
-        self.grace = shutdown_grace  # the others are read per job, from its config (_job_spec)
+        self.n_jobs, self.job_timeout, self.grace = n_jobs, job_timeout, shutdown_grace
 
     def setup(self, *, hydra_context: Any, task_function: Callable, config: DictConfig) -> None:
         self.hydra_context, self.task_function, self.config = hydra_context, task_function, config
@@ -2492,13 +2449,16 @@ class HydraFSDPLauncher(Launcher):
         pending, agents, returns, ended = list(zip(numbers, job_overrides))[::-1], {}, {}, {}
         # Ranks fork from the fork server where a child can import the task function (else: the agent's own)
         lightning, importable = _NAMESPACES[_namespace_in_use()], _pickled(self.task_function, "")[0]
-        server = _ForkServer(lightning, self.config.hydra.job.env_set) if importable else None
+        started_server = functools.partial(_ForkServer, lightning, self.config.hydra.job.env_set)
+        server = started_server() if importable else None
         handlers = {signum: signal.signal(signum, _raise_interrupted) for signum in _STOP_SIGNALS}
         stopped, deadline = None, math.inf
         try:
             while agents or pending and stopped is None:
                 try:
                     while pending and stopped is None and len(agents) < self.n_jobs:
+                        if server is not None and server.proc.poll() is not None:  # it died: a new one
+                            server = started_server()
                         agents.update([self._fork_agent(server, *pending.pop())])
                     if time.monotonic() > deadline:
                         _signal_agents(agents, signal.SIGKILL)
@@ -2512,8 +2472,8 @@ class HydraFSDPLauncher(Launcher):
             for signum, handler in handlers.items():
                 signal.signal(signum, handler)
             _signal_agents(agents, signal.SIGKILL)  # what an error left: ended with their ranks
-            while agents and _answers(agents, ended, _KILL_WAIT) is not None:
-                pass
+            for _ in range(len(agents)):  # each reaped, bounded: one the kernel holds is left behind
+                _answers(agents, ended, _KILL_WAIT)
             if server is not None:
                 server.close()
         _log_summary([returns[number] for number in numbers if number in returns], ended)
@@ -2531,20 +2491,18 @@ class HydraFSDPLauncher(Launcher):
         pid = os.fork()
         if pid == 0:
             os.close(read_end)
-            self._run_agent(config, server, connection, write_end)
+            self._run_agent(config, connection, write_end)
         os.close(write_end)
         if connection is not None:
             connection.conn.close()  # the agent's
-        return read_end, _Agent(pid, number, config, [])
+        return read_end, types.SimpleNamespace(pid=pid, number=number, config=config, said=[])  # so far
 
-    def _run_agent(self, config: DictConfig, server: Any, connection: Any, write_end: int) -> None:
+    def _run_agent(self, config: DictConfig, connection: Any, write_end: int) -> None:
         """In a job agent: run the job with Hydra's run_job, hand back its JobReturn (less the config: one
         made at run time may not pickle), and exit."""
         try:
             os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the sweep alone, which passes it on once
             _exit_with(os.getppid())
-            if server is not None:
-                server.conn.close()  # the sweep's
             self.write_end = write_end
             ret = run_job(
                 hydra_context=self.hydra_context,
@@ -2611,25 +2569,22 @@ def _answers(agents: dict, ended: dict, timeout: float | None) -> dict:
     return returns
 
 
-def _job_return(agent: _Agent, code: int, ended: dict) -> JobReturn:
+def _job_return(agent: Any, code: int, ended: dict) -> JobReturn:
     """The JobReturn an agent handed back, with the job's config; or a failed one saying how it ended."""
     outcome = {}
     with contextlib.suppress(Exception):  # nothing, or part of it: it died
         outcome = pickle.loads(b"".join(agent.said))
-    ended[agent.number] = outcome.get("ended")
-    ret = outcome.get("ret")
-    if ret is None:
-        ret = JobReturn(
-            overrides=OmegaConf.to_container(agent.config.hydra.overrides.task),
-            hydra_cfg=OmegaConf.create({"hydra": agent.config.hydra}),
-            status=JobStatus.FAILED,
-            _return_value=outcome.get("error")
-            or ChildRankError(
-                f"The agent of job #{agent.number} (pid {agent.pid}) ended ({_exit_status(code)}) before"
-                " it handed back the job's result; the job's ranks ended with it. Its output is above."
-            ),
-        )
-        ended[agent.number] = ended[agent.number] or (0.0, f"{ret._return_value!r}")
+    error = outcome.get("error") or ChildRankError(
+        f"The agent of job #{agent.number} (pid {agent.pid}) ended ({_exit_status(code)}) before it handed"
+        " back the job's result; the job's ranks ended with it. Its output is above."
+    )
+    ended[agent.number] = outcome.get("ended") or (0.0, f"{error!r}")
+    ret = outcome.get("ret") or JobReturn(
+        overrides=OmegaConf.to_container(agent.config.hydra.overrides.task),
+        hydra_cfg=OmegaConf.create({"hydra": agent.config.hydra}),
+        status=JobStatus.FAILED,
+        _return_value=error,
+    )
     ret.cfg = copy.deepcopy(agent.config)
     with read_write(ret.cfg), open_dict(ret.cfg):
         del ret.cfg["hydra"]
@@ -2679,7 +2634,7 @@ def _start_ranks(
     except RankLaunchError as error:  # a child cannot import the task function (or the config's classes)
         why_not = error
     if why_not is not None:  # forked here, not in the except: a fork would run the job in its context
-        server = _local_fork_server(hydra_job, why_not, server, launcher.write_end)
+        server = _local_fork_server(hydra_job, why_not, launcher.write_end)  # (the other connection unused)
     server.listen(children.said)
     env = _torchrun_env(world, config.hydra.job.num, placement, inventory)
     where = [f"cores {','.join(map(str, cores))}" for cores in placement.cores if cores is not None]
@@ -2707,21 +2662,18 @@ def _start_ranks(
     return failures
 
 
-def _local_fork_server(hydra_job: dict, why_not: Exception, unused: Any, write_end: int) -> _ForkServer:
+def _local_fork_server(hydra_job: dict, why_not: Exception, write_end: int) -> _ForkServer:
     """For a task function that a child cannot import by name (``why_not``): a fork of this agent, which
     has it in memory (the agent is a fork of the sweep), serves the job's forks as the fork server does;
     not where the sweep's process touched CUDA, since a fork of it cannot use CUDA."""
-    if unused is not None:
-        unused.conn.close()
     in_bad_fork = getattr(torch.cuda, "_is_in_bad_fork", None)
     if not callable(in_bad_fork):
         raise _upstream_changed("torch.cuda._is_in_bad_fork", "tell whether a fork of the sweep can use CUDA")
     if in_bad_fork():
         raise RankLaunchError(
-            f"This job's ranks cannot start: {why_not} They would be forks of the sweep's process, which has"
-            " initialised CUDA (torch.cuda.is_available() does, at import of a script), and a fork of such a"
-            " process cannot use CUDA ('Cannot re-initialize CUDA in forked subprocess'). Define the task"
-            " function at the top level of an importable file, or start the sweep with"
+            f"This job's ranks cannot start: {why_not} So they would be forks of the sweep's process, which"
+            " initialised CUDA (as torch.cuda.is_available() does), and such a fork cannot use CUDA. Define"
+            " the task function at the top level of an importable file, or start the sweep with"
             " PYTORCH_NVML_BASED_CUDA_CHECK=1 (torch.cuda.is_available() then leaves CUDA alone)."
         )
     server = _ForkServer.__new__(_ForkServer)
@@ -2760,13 +2712,9 @@ def _wait_for_rank_0(children: _ChildRanks, port: int, timeout: float) -> None:
 
 def _listening(port: int) -> bool:
     """Whether a socket of this host listens on TCP ``port`` (the kernel's tables: no connection made)."""
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError):
-            for line in Path(table).read_text().splitlines()[1:]:
-                local, state = line.split()[1], line.split()[3]
-                if state == "0A" and int(local.rpartition(":")[2], 16) == port:  # 0A: LISTEN
-                    return True
-    return False
+    listening = re.compile(rf"^ *\d+: [0-9A-F]+:{port:04X} [0-9A-F]+:0000 0A ", re.MULTILINE)  # 0A: LISTEN
+    tables = [Path(table) for table in ("/proc/net/tcp", "/proc/net/tcp6")]
+    return any(listening.search(table.read_text()) for table in tables if table.exists())
 
 
 def _torchrun_env(world: int, number: int, placement: _Placement, inventory: dict) -> dict:
@@ -2792,8 +2740,13 @@ def _outcome(children: _ChildRanks, failures: list, settled: bool, job_timeout: 
         )
         children.end_saying_where_they_stood(error, "Its ranks were still running;")
         raise error
-    first = failures[0] if failures else children.first_failed()  # the server lost: all read as killed
+    first = failures[0] if failures else children.first_failed()
     children.end()  # the others, at once, even blocked in a collective
+    if first is not None and not failures and (server := children.procs[first].server).lost:
+        raise ChildRankError(  # no rank failed: every one ended with it (PR_SET_PDEATHSIG)
+            f"The fork server (pid {server.proc.pid}) ended while the job ran, and the job's ranks with it:"
+            f" its error, if any, is in the sweep's output. {children.describe(first)}"
+        )
     result = children.job_dir / _RESULT_FILE
     outcome = {}
     if first in (0, None) and result.exists():
@@ -2860,10 +2813,8 @@ def _hand_back(**outcome: Any) -> None:
         _OnTheCPU(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(outcome)
         pickled = buffer.getvalue()
     except Exception as error:  # noqa: BLE001 - PicklingError, or what an object's own __reduce__ raises
-        what = (
-            f"return value (a {type(outcome['value']).__qualname__})" if "value" in outcome else "exception"
-        )
-        what = what if "value" in outcome else f"exception {outcome['error']!r}"
+        what = f"exception {outcome['error']!r}" if "error" in outcome else ""
+        what = what or f"return value (a {type(outcome['value']).__qualname__})"
         why = f"Rank 0's {what} cannot be pickled for the sweep: {error!r}. {_PLAIN}"
         pickled = pickle.dumps({"error": RankLaunchError(why)})
     _write_private(Path(path), pickled)
@@ -2925,9 +2876,7 @@ def _launched_job(config_path: str) -> dict:
     try:  # its types, flags and rank 0's cached ${now:...} values
         task_cfg = pickle.loads(launch["config"])
     except (AttributeError, ImportError) as error:
-        raise RankLaunchError(
-            f"A child rank cannot make the job's config again: {error}. {_WHERE_CLASSES_GO}"
-        ) from error
+        raise RankLaunchError(f"A child rank cannot load the config: {error}. {_WHERE_CLASSES_GO}") from error
     _check_resolved_as_on_rank_0(task_cfg, launch["resolved"])
     if launch["task"] is not None:  # the job's own, which rank 0 could pickle
         task_function = pickle.loads(launch["task"])
@@ -2974,8 +2923,7 @@ def _check_resolved_as_on_rank_0(task_cfg: DictConfig, on_rank_0: dict) -> None:
                 f"the resolver {unregistered[0]!r} is registered on rank 0 only: register it at the top level"
                 ' of the script or of a module it imports, not in its `if __name__ == "__main__":` block.'
                 if unregistered
-                else f"register its resolver {' '.join(map(repr, resolvers))} with use_cache=True: every rank"
-                " then reads rank 0's value."
+                else f"register {' '.join(map(repr, resolvers))} with use_cache=True: all read rank 0's value"
             )
         )
 

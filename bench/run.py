@@ -106,7 +106,7 @@ def sweep_variants(args) -> dict:
             variants["a"].overrides + tuple(args.hydra_ddp_extra),
             {**variants["a"].env, **extra_env},
         )
-    return variants
+    return {key: variant for key, variant in variants.items() if not args.only or key in args.only}
 
 
 def stagger_variants() -> dict:
@@ -838,6 +838,9 @@ def parse_args(argv=None):
         help="add variant a+ = HydraDDP (a) with this environment variable too (repeatable)",
     )
     parser.add_argument("--hydra-ddp-extra-label", default="HydraDDP + extra", help="the name of variant a+")
+    parser.add_argument(
+        "--only", type=lambda s: s.split(","), help="the sweep variants to run (e.g. a,a+; default: all)"
+    )
     parser.add_argument("--workdir", help="where the runs go (default: a new temporary directory)")
     parser.add_argument(
         "--keep", action="store_true", help="keep the run directories (logs, sweeps, records)"

@@ -5,6 +5,7 @@ app's Record callback writes what Hydra's callbacks see in the sweep's process, 
 
 import functools
 import json
+import os
 import pickle
 import shutil
 import signal
@@ -310,6 +311,29 @@ def test_a_sweep_that_touched_cuda_fails_a_closures_jobs_at_once_naming_the_fix(
     for job in (0, 1):
         assert jobs(app)[job]["status"] == "FAILED" and jobs(app)[job]["seconds"] < 10, jobs(app)[job]
         assert "PYTORCH_NVML_BASED_CUDA_CHECK=1" in jobs(app)[job]["error"], jobs(app)[job]["error"]
+
+
+def test_the_fork_servers_death_is_named_its_ranks_end_with_it_and_the_next_job_gets_a_new_one(tmp_path):
+    """SIGKILL to the fork server while job 0's ranks wait in a collective: they end with it at once
+    (PR_SET_PDEATHSIG), the job fails naming the server, not as a rank 'killed by SIGKILL', and job 1's ranks
+    come from a new server."""
+    app = launcher_app(tmp_path / "app")
+    sweep = start_sweep(app, *LAUNCHER, "hydra.launcher.nproc_per_node=2", "case=hang,plain")
+    try:
+        marks = [app / "sweep" / "0" / f"in_collective_rank{rank}" for rank in (0, 1)]
+        wait_for(lambda: all(mark.exists() for mark in marks), FAULT_BOUND, "both ranks in the collective")
+        ranks = [int(mark.read_text()) for mark in marks]
+        server = int(Path(f"/proc/{ranks[0]}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        os.kill(server, signal.SIGKILL)
+        wait_for(lambda: not any(alive(pid) for pid in ranks), 2, "job 0's ranks to end with the server")
+        sweep.wait(FAULT_BOUND)
+    finally:
+        sweep.end()
+    ended = jobs(app)
+    assert ended[0]["status"] == "FAILED", sweep.text()[-4000:]
+    assert f"The fork server (pid {server}) ended" in ended[0]["error"], ended[0]["error"]
+    assert "killed by SIGKILL" not in ended[0]["error"].splitlines()[0]
+    assert ended[1]["status"] == "COMPLETED", sweep.text()[-4000:]
 
 
 def test_job_timeout_ends_a_hung_job_and_the_next_job_runs(sweeps):

@@ -332,7 +332,7 @@ def test_claims_live_where_only_the_user_can_write(tmp_path, monkeypatch):
     open_folder.mkdir()
     open_folder.chmod(0o777)
     monkeypatch.setenv("HYDRA_FSDP_CLAIMS", str(open_folder))
-    with pytest.raises(hydra_fsdp.RankLaunchError, match="not yours alone .* mode 777"):
+    with pytest.raises(hydra_fsdp.RankLaunchError, match="which is owner uid .* mode 777; expected a folder"):
         hydra_fsdp._claims_folder()
     monkeypatch.setenv("HYDRA_FSDP_CLAIMS", "off")
     assert hydra_fsdp._claims_folder() is None
