@@ -33,6 +33,46 @@ The sections follow one job, from rank 0's first look at it to a child rank's st
 Private names of torch, Lightning and Hydra are used only where no public API does the job, and each is
 guarded where it is used: a change upstream raises ``RankLaunchError`` naming it (``_upstream_changed``)
 instead of hanging a job.
+
+The processes, threads and locks, and who owns each (starts it, and ends or lets go of it):
+
+==============================  =========================================================================
+the sweep (a process)           Hydra's: the sweeper; on the strategies' route every job's rank 0 too (or a
+                                joblib/submitit worker is rank 0). Owns the fork server, and under the
+                                launcher the job agents. SIGINT/SIGTERM to it: see *stopping*, below.
+a job agent (the launcher)      a fork of the sweep per running job, in a process group of its own: runs
+                                Hydra's ``run_job``, starts, waits for and ends the job's ranks. Owned by
+                                the sweep; it dies with the sweep (``_exit_with``).
+the fork server                 one per sweep (one per agent for a task function no child can import):
+                                forks every child rank, ignores SIGINT. Owned by the connection that
+                                started it; it ends as that one closes, its children with it.
+a child rank                    a fork of the fork server, in a process group of its own (a terminal's
+                                Ctrl-C reaches rank 0, or the sweep, alone), dying with the server
+                                (``PR_SET_PDEATHSIG``). Owned by its job: ``_ChildRanks``.
+the fork server's reader        (thread "hydra-fsdp-fork-server") of each process holding a connection
+                                (rank 0, an agent): reads its replies, notifies ``said``, starts a failed
+                                child's ``on_failure`` (the stage's abort) on a thread of its own.
+the signal watch                (thread "hydra-fsdp-signals") of rank 0's job, from its start to its end
+                                (``_SignalWatch``): passes SIGINT/SIGTERM on to the children once.
+the grace                       (thread "hydra-fsdp-grace") of a stopped job (``_ChildRanks.stop``): ends
+                                the children still running when the grace ends.
+the claim threads               (threads "hydra-fsdp-claim") of a job that waits for devices, one per busy
+                                device (``_claim_in_turn``); each ends when its device's holder lets go.
+``_ChildRanks.lock``            a job's: held while signals are written to the fork server (``stop``,
+                                ``add``), from the watch thread, a signal handler or the main thread.
+``_StageAbort.lock``            a job's: held by the abort of its stage under way (a thread of its own);
+                                the stage's end waits for it ``_KILL_WAIT`` s at most.
+claim flocks                    one file per device (and a queue's) in the claims folder, locked by the
+                                process that runs the job's devices' claim (rank 0, or the job's agent)
+                                for the job's life; the kernel lets go of them when that process ends.
+==============================  =========================================================================
+
+*Stopping*: on SIGINT (Ctrl-C) or SIGTERM, on both routes, every running rank gets that signal once, then
+a grace to exit (its graceful shutdown: Lightning's ``on_exception`` hooks, its loggers' finalize; 30 s by
+default, ``shutdown_grace``: the strategies' argument or ``MUSHIN_DDP_SHUTDOWN_GRACE``, and
+``hydra.launcher.shutdown_grace``), then SIGKILL (``_ChildRanks.close``, in the shape of torch elastic's
+``PContext.close``). The job is reported as interrupted, no next job starts, and the sweep exits 130 (or by
+SIGINT) or 143. A second Ctrl-C kills every rank at once.
 """
 
 __version__ = "0.2.0"
@@ -97,6 +137,10 @@ _FABRIC_NAMESPACES = {"lightning_fabric": "lightning_fabric", "lightning": "ligh
 
 LAUNCH_DELAY_ENV = "MUSHIN_DDP_LAUNCH_DELAY"
 DEFAULT_LAUNCH_DELAY = 1.0
+# On SIGINT or SIGTERM, how long the job's child ranks have to exit before SIGKILL (torchrun's 30 s); the
+# strategies' shutdown_grace argument wins over it.
+SHUTDOWN_GRACE_ENV = "MUSHIN_DDP_SHUTDOWN_GRACE"
+DEFAULT_SHUTDOWN_GRACE = 30.0
 DEFAULT_RANK_TIMEOUT = 600.0
 _LAUNCH_FILE = "rank_config.pickle"  # in the job's dir while it runs: its config, and all a child needs
 _CHILD_ENV = "HYDRA_FSDP_CONFIG"  # set for the child ranks hydra_fsdp starts: the config they run
@@ -160,13 +204,15 @@ def _upstream_changed(name: str, why: str) -> RankLaunchError:
 # -------------------- what rank 0 reads
 
 
-def _launch_delay() -> float:
-    raw = os.environ.get(LAUNCH_DELAY_ENV, str(DEFAULT_LAUNCH_DELAY))
+def _launch_delay(name: str = LAUNCH_DELAY_ENV, default: float = DEFAULT_LAUNCH_DELAY) -> float:
+    """The seconds an environment variable (``name``) sets: by default the stagger between two child
+    starts; also the shutdown grace (``SHUTDOWN_GRACE_ENV``)."""
+    raw = os.environ.get(name, str(default))
     with contextlib.suppress(ValueError):  # not a number: the same error as a number out of range
         if 0 <= float(raw) < math.inf:
             return float(raw)
     raise RankLaunchError(
-        f"{LAUNCH_DELAY_ENV}={raw!r} is not a number of seconds: expected finite, >= 0 (0: no pause), e.g. 1."
+        f"{name}={raw!r} is not a number of seconds: expected finite, >= 0 (0: none), e.g. 1."
     )
 
 
@@ -896,6 +942,7 @@ class _LaunchSpec(NamedTuple):
     rank_timeout: float
     module_key: str
     datamodule_key: str
+    shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE  # on SIGINT or SIGTERM: the children's, before SIGKILL
 
 
 class _Sweep(Callback):
@@ -1029,9 +1076,13 @@ class _StageAbort:
             self.end()
 
     def end(self) -> None:
-        """No abort after this: the lock is held only by an abort under way, which NCCL's abort bounds."""
-        with self.lock:
-            self.in_stage = False
+        """No abort after this: the lock is held only by an abort under way, waited for ``_KILL_WAIT`` s at
+        most. NCCL's abort can block (a communicator stuck in a kernel): the job then ends all the same (no
+        later abort starts: one waiting for the lock finds the stage over), its abort left to its thread."""
+        locked = self.lock.acquire(timeout=_KILL_WAIT)
+        self.in_stage = False
+        if locked:
+            self.lock.release()
 
     def abort(self, for_rank: int | None = None) -> None:
         """For a child that failed (``for_rank``) while a stage runs: NCCL would wait for it until the
@@ -1044,14 +1095,17 @@ class _StageAbort:
                     self.for_rank = for_rank
                 _abort_groups()
                 if for_rank is not None and not torch.distributed.is_initialized():
-                    _hang_up_on(self.store_port)  # rank 0 may wait for the dead child in init_process_group
+                    _hang_up_on({self.store_port})  # rank 0 may wait for the dead child in init_process_group
 
 
-def _hang_up_on(port: int) -> None:
-    """Shut this process's connections to the job's store (on ``port``), so that a wait on it fails at once:
-    rank 0's for a child that died as the ranks met, in init_process_group, inside torch's C++ store, where no
-    Python code runs and no process group exists yet to abort; it would last the group's timeout (30 minutes
-    by default). Not ended: a wait in NCCL's own bootstrap, and one on a connection made after this.
+def _hang_up_on(ports: set) -> None:
+    """Shut this process's TCP connections to ``ports``, so that a wait on them fails at once. Rank 0's to
+    the job's store, for a child that died as the ranks met, in init_process_group, inside torch's C++ store,
+    where no Python code runs and no process group exists yet to abort; it would last the group's timeout
+    (30 minutes by default). Not ended: a wait in NCCL's own bootstrap, and one on a connection made after
+    this. And on SIGINT or SIGTERM rank 0's to its children's ports (``_ports_of``): gloo's pairs, so that no
+    child stays blocked in a collective that waits for rank 0 (where its signal handler never runs) until
+    the grace ends; neither a gloo group's abort nor its destroy, while DDP holds it, closes them.
 
     By C calls on the descriptors: a socket object made of one sets it non-blocking where a default
     timeout is set (socket.setdefaulttimeout), under whoever owns it."""
@@ -1061,13 +1115,33 @@ def _hang_up_on(port: int) -> None:
         size.value = len(peer)
         if libc.getpeername(fd, peer, ctypes.byref(size)) == 0:  # a connected socket
             family = int.from_bytes(peer.raw[:2], sys.byteorder)
-            if family in (socket.AF_INET, socket.AF_INET6) and int.from_bytes(peer.raw[2:4], "big") == port:
+            if family in (socket.AF_INET, socket.AF_INET6) and int.from_bytes(peer.raw[2:4], "big") in ports:
                 libc.shutdown(fd, socket.SHUT_RDWR)
+
+
+def _ports_of(pids: list) -> set:
+    """The local ports of the TCP sockets that processes ``pids`` (of this user) hold, from /proc."""
+    sockets = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):  # it exited
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    sockets.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for fields in map(str.split, Path(table).read_text().splitlines()[1:]):
+                if f"socket:[{fields[9]}]" in sockets:
+                    ports.add(int(fields[1].rpartition(":")[2], 16))
+    return ports
 
 
 class _ChildRanks:
     """A job's child ranks: added as they start, stopped by a signal from any thread, ended with every wait
-    bounded, described by their logs."""
+    bounded, described by their logs. The one place where both routes end a job's ranks, in the shape of
+    torch elastic's ``PContext.close``: on SIGINT or SIGTERM the signal to each child once, a grace for all to
+    exit (their graceful shutdown), then SIGKILL to the rest (``stop``, ``end``, ``close``); on a failure or
+    a timeout, SIGKILL at once (``end``)."""
 
     def __init__(self, job_dir: Path, said: threading.Condition) -> None:
         self.job_dir = job_dir
@@ -1077,7 +1151,8 @@ class _ChildRanks:
         # Held only while a kill is written to the fork server (proc.kill: one write to a pipe).
         self.lock = threading.RLock()
         self.stopped_by: int | None = None  # the signal that stopped them
-        self.unkillable: set = set()  # ranks that outlived SIGKILL: not waited for again
+        # ranks that outlived SIGKILL: not waited for again; ranks still running at the grace's end
+        self.unkillable, self.killed = set(), set()
 
     def add(self, rank: int, proc: Any) -> None:
         with self.lock:
@@ -1085,32 +1160,43 @@ class _ChildRanks:
             if self.stopped_by is not None:
                 proc.kill()
 
-    def stop(self, signum: int, to_send: int = signal.SIGKILL) -> None:
-        """SIGTERM or SIGINT (``signum``) reached the process that started them: send every child
-        ``to_send``, from whichever thread."""
+    def stop(self, signum: int, grace: float, again: bool = False) -> None:
+        """SIGTERM or SIGINT (``signum``) reached the process that started them, from whichever thread. The
+        first to say so (the signal watch thread, Lightning's SIGTERM handler, ``close``: one signal often
+        comes by two of them) sends it on to every child, once; hangs up this process's connections to them
+        (``_hang_up_on``); and starts a thread that ends them ``grace`` s later (``end``), even while the
+        caller is blocked (rank 0's main thread in a collective). ``again``: a second signal (a second
+        Ctrl-C), which only the watch thread counts: SIGKILL to every child at once."""
         with self.lock:
-            self.stopped_by = signum
-            for proc in list(self.procs.values()):
-                proc.send_signal(to_send)
+            first = self.stopped_by is None
+            if first:
+                self.deadline, self.stopped_by = time.monotonic() + grace, signum  # read unlocked by end
+            for proc in list(self.procs.values()) if first or again else ():
+                proc.send_signal(signum if first else signal.SIGKILL)
+        if first:
+            _hang_up_on(_ports_of([proc.pid for proc in list(self.procs.values())]))
+            threading.Thread(target=self.end, name="hydra-fsdp-grace", daemon=True).start()
 
     def close(self, signum: int, grace: float) -> list:
-        """End them as torch elastic's ``PContext.close`` does: ``signum`` to every child, up to ``grace`` s
-        for all to exit (their graceful shutdown: Lightning's ``on_exception`` hooks, its loggers' finalize),
-        then SIGKILL to the rest (``end``), which it returns; a second signal here cuts the grace short."""
-        self.stop(signum, signum)
-        try:
-            _wait_until(self.said, lambda: not self.running(), grace)
-            return self.running()
-        finally:
-            self.end()
+        """End them as torch elastic's ``PContext.close`` does: ``signum`` to every child (``stop``), up to
+        ``grace`` s for all to exit (their graceful shutdown: Lightning's ``on_exception`` hooks, its
+        loggers' finalize), then SIGKILL to the rest (``end``), which it returns; a second signal cuts the
+        grace short."""
+        self.stop(signum, grace)
+        self.end()
+        return sorted(self.killed)
 
     def end(self) -> None:
         """SIGKILL every child still running and reap it, each wait bounded as torch elastic's: a child the
-        kernel holds (uninterruptible sleep) is left to the fork server, and the sweep goes on."""
-        for proc in self.procs.values():
+        kernel holds (uninterruptible sleep) is left to the fork server, and the sweep goes on. Once a signal
+        stopped them, not before the grace it gave them ends (``stop``): whoever ends them, it holds."""
+        if self.stopped_by is not None:
+            _wait_until(self.said, lambda: not self.running(), self.deadline - time.monotonic())
+            self.killed.update(self.running())
+        for proc in list(self.procs.values()):
             proc.kill()
         deadline = time.monotonic() + _KILL_WAIT
-        for rank, proc in self.procs.items():
+        for rank, proc in list(self.procs.items()):
             try:
                 if rank not in self.unkillable:
                     proc.wait(max(0.0, deadline - time.monotonic()))
@@ -1125,7 +1211,7 @@ class _ChildRanks:
         return self.job_dir / f"rank_{rank}.log"
 
     def running(self) -> list:
-        return [rank for rank, proc in self.procs.items() if proc.poll() is None]
+        return [rank for rank, proc in list(self.procs.items()) if proc.poll() is None]
 
     def first_failed(self) -> int | None:
         return next((rank for rank, proc in self.procs.items() if proc.poll() not in (None, 0)), None)
@@ -1216,7 +1302,7 @@ class _Job:
     ranks. ``close`` undoes what the job did, the last first, however it ended."""
 
     def __init__(self, sweep: _Sweep, spec: _LaunchSpec, hydra_job: dict) -> None:
-        self.sweep, self.spec = sweep, spec
+        self.sweep, self.spec, self.started = sweep, spec, time.monotonic()
         self.job_return = hydra_job["ret"]
         self.children = _ChildRanks(Path(HydraConfig.get().runtime.output_dir), sweep.said)
         self.released = False  # the children were told to run the job (_GO_KEY)
@@ -1230,7 +1316,8 @@ class _Job:
         self.store = sweep.new_store(spec.address)
         self.abort = _StageAbort(self.store.port)
         os.environ["MASTER_PORT"] = str(self.store.port)
-        self.closing.callback(_SignalWatch(self.children.stop).close)
+        stop = functools.partial(self.children.stop, grace=spec.shutdown_grace)
+        self.closing.callback(_SignalWatch(stop).close)
         self.closing.callback(lambda: _destroy_process_group(aborted=self.abort.aborted))
         self.closing.callback((self.children.job_dir / _LAUNCH_FILE).unlink, missing_ok=True)
         self.closing.callback(self.children.end)
@@ -1294,12 +1381,16 @@ class _Job:
 
     def error_for(self, error: BaseException) -> BaseException:
         """The error a stage that raised on rank 0 fails the job with; the children are ended. Decided once:
-        at the job's end the children it ended have exited killed, which is no failure of theirs."""
+        at the job's end the children it ended have exited killed, which is no failure of theirs. On SIGINT
+        or SIGTERM the children first get the grace (``_ChildRanks.close``), and the job ends the sweep as
+        the signal does (130, 143), saying so as the launcher's jobs do (``_interruption``)."""
         signum = self.children.stopped_by
         if signum is None and isinstance(error, KeyboardInterrupt):
             # Ctrl-C, its handler first to run (Lightning < 2.3 swallows it: the sweep would go on).
             signum = signal.SIGINT
         if signum is not None:
+            killed = self.children.close(signum, self.spec.shutdown_grace)
+            log.error(f"hydra_fsdp: {_interruption(signum, time.monotonic() - self.started, killed)}")
             error = SystemExit(128 + signum)
         elif not isinstance(error, (ChildRankError, RankLaunchError, KeyboardInterrupt, SystemExit)):
             # a collective that failed because a child failed: the child's error is the job's
@@ -1361,9 +1452,10 @@ def _restore_environ(saved: dict) -> None:
 
 
 class _SignalWatch:
-    """End the job's children the moment SIGTERM or SIGINT reaches rank 0: Python runs a handler only
+    """Stop the job's children the moment SIGTERM or SIGINT reaches rank 0: Python runs a handler only
     once the main thread is back in the interpreter, which one blocked in a collective never is, but the
-    C handler writes the signal to the wakeup fd at once. This thread reads it and ends the children."""
+    C handler writes the signal to the wakeup fd at once. This thread reads it and stops the children
+    (``_ChildRanks.stop``: the signal once, then the grace), and on a second signal kills them."""
 
     watching: "_SignalWatch | None" = None  # the one running, which a fork of rank 0 drops (in_a_fork)
     forks_drop_it = False  # os.register_at_fork's hook, registered by the first watch: it stays
@@ -1397,12 +1489,14 @@ class _SignalWatch:
         raise SystemExit(128 + signum)
 
     @staticmethod
-    def _watch(read_fd: int, on_signal: Callable[[int], None]) -> None:
+    def _watch(read_fd: int, on_signal: Callable[..., None]) -> None:
+        again = False
         with open(read_fd, "rb", buffering=0) as wakeups:
             while received := wakeups.read(64):  # b"" once every write end is closed
                 for signum in received:
                     if signum in (signal.SIGTERM, signal.SIGINT):
-                        on_signal(signum)
+                        on_signal(signum, again=again)
+                        again = True
 
     @staticmethod
     def in_a_fork() -> None:
@@ -1658,7 +1752,7 @@ class _HydraRankLauncher:
             )
         devices, lightning = tuple(strategy.parallel_devices), strategy._lightning.__name__
         spec = _LaunchSpec(strategy.world_size, devices, env.main_address, lightning, strategy.rank_timeout,
-                           **strategy._config_keys)  # fmt: skip
+                           **strategy._config_keys, shutdown_grace=strategy.shutdown_grace)  # fmt: skip
         job = _sweep.job_for(spec, hydra_job)
         strategy._job_gpus = job.placement.gpus
         try:
@@ -1674,9 +1768,10 @@ class _HydraRankLauncher:
             raise job_error from error
 
     def kill(self, signum: int) -> None:
-        """Called by Lightning's SIGTERM handler: the job, and with it the sweep, is to stop."""
-        if _sweep.job is not None:
-            _sweep.job.children.stop(signum)
+        """Called by Lightning's SIGTERM handler (with SIGKILL for its own children on some releases): the
+        job, and with it the sweep, is to stop, its children after their grace (``_ChildRanks.stop``)."""
+        if (job := _sweep.job) is not None:
+            job.children.stop(signal.SIGTERM, job.spec.shutdown_grace)
 
 
 def _check_launched_world_size(num_nodes: int, devices: int) -> None:
@@ -1846,10 +1941,19 @@ class _HydraStrategy:
     _lightning: types.ModuleType
 
     def __init__(self, *args: Any, rank_timeout: float = DEFAULT_RANK_TIMEOUT, module_key: str = "module",
-                 datamodule_key: str = "datamodule", **kwargs: Any) -> None:  # fmt: skip
+                 datamodule_key: str = "datamodule", shutdown_grace: float | None = None,
+                 **kwargs: Any) -> None:  # fmt: skip
         if type(rank_timeout) is bool or not isinstance(rank_timeout, (int, float)) or not rank_timeout > 0:
             raise ValueError(
                 f"rank_timeout={rank_timeout!r}: expected seconds > 0 (default {DEFAULT_RANK_TIMEOUT:g})."
+            )
+        # on SIGINT or SIGTERM, the seconds its child ranks have to exit before SIGKILL: this, else the
+        # environment's MUSHIN_DDP_SHUTDOWN_GRACE, else 30
+        if shutdown_grace is None:
+            shutdown_grace = _launch_delay(SHUTDOWN_GRACE_ENV, DEFAULT_SHUTDOWN_GRACE)
+        if type(shutdown_grace) not in (int, float) or not shutdown_grace >= 0:
+            raise ValueError(
+                f"shutdown_grace={shutdown_grace!r}: expected seconds >= 0 (e.g. 30, as torchrun)"
             )
         config_keys = {"module_key": module_key, "datamodule_key": datamodule_key}
         for name, key in config_keys.items():
@@ -1857,7 +1961,7 @@ class _HydraStrategy:
                 raise ValueError(f"{name}={key!r}: expected the non-empty name of a key of the job's config.")
         _check_versions(self._lightning, type(self).__name__)
         super().__init__(*args, **kwargs)
-        self.rank_timeout, self._config_keys = rank_timeout, config_keys
+        self.rank_timeout, self._config_keys, self.shutdown_grace = rank_timeout, config_keys, shutdown_grace
         self._stage_ckpt_path: str | None = None
         self._job_gpus: list | None = None  # the GPUs this rank's job holds, by rank (see _placement)
 

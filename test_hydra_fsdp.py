@@ -575,6 +575,10 @@ def test_guard_fsdp_wrapped_module_name():
         ({"rank_timeout": float("nan")}, "rank_timeout=nan"),
         ({"module_key": ""}, "module_key=''"),
         ({"datamodule_key": None}, "datamodule_key=None"),
+        ({"shutdown_grace": -1}, "shutdown_grace=-1"),
+        ({"shutdown_grace": "30"}, "shutdown_grace='30'"),
+        ({"shutdown_grace": True}, "shutdown_grace=True"),
+        ({"shutdown_grace": float("nan")}, "shutdown_grace=nan"),
     ],
 )
 @pytest.mark.parametrize("strategy", [HydraDDP, HydraFSDP])
@@ -586,6 +590,18 @@ def test_bad_strategy_arguments_fail_at_construction_naming_them(strategy, argum
 def test_rank_timeout_from_yaml_may_be_an_int():
     strategy = instantiate(OmegaConf.create("_target_: hydra_fsdp.HydraDDP\nrank_timeout: 30\n"))
     assert isinstance(strategy, HydraDDP) and strategy.rank_timeout == 30
+
+
+def test_shutdown_grace_is_the_argument_else_the_environment_else_30(monkeypatch):
+    monkeypatch.delenv(hydra_fsdp.SHUTDOWN_GRACE_ENV, raising=False)
+    assert HydraDDP().shutdown_grace == 30
+    monkeypatch.setenv(hydra_fsdp.SHUTDOWN_GRACE_ENV, "7.5")
+    assert HydraDDP().shutdown_grace == 7.5
+    assert HydraDDP(shutdown_grace=0).shutdown_grace == 0  # the argument wins
+    monkeypatch.setenv(hydra_fsdp.SHUTDOWN_GRACE_ENV, "soon")
+    with pytest.raises(RankLaunchError, match="MUSHIN_DDP_SHUTDOWN_GRACE='soon' is not a number of seconds"):
+        HydraDDP()
+    assert HydraDDP(shutdown_grace=5).shutdown_grace == 5  # a bad variable is not read where unused
 
 
 # --------------------------------------------------------------------------- the releases it runs on
@@ -703,11 +719,67 @@ def test_the_floors_agree_in_pyproject_the_floor_stack_and_the_module():
 def test_a_keyboard_interrupt_in_a_stage_stops_the_sweep_as_sigint_does():
     # Ctrl-C's handler can run before the signal thread sees it; Lightning < 2.3 then swallows the
     # KeyboardInterrupt, and without this the sweep went on to its next job
-    job = mock.Mock()
+    job = mock.Mock(started=time.monotonic())
     job.children.stopped_by = None
+    job.children.close.return_value = []
     error = hydra_fsdp._Job.error_for(job, KeyboardInterrupt())
     assert isinstance(error, SystemExit) and error.code == 128 + signal.SIGINT
-    job.children.end.assert_called_once_with()
+    # the children get SIGINT and their grace (close), not SIGKILL at once
+    job.children.close.assert_called_once_with(signal.SIGINT, job.spec.shutdown_grace)
+
+
+class _Child:
+    """A child rank as rank 0 sees it (``_ForkedChild``'s part): what it was sent; it exits on the
+    signals in ``exits_on``, and on SIGKILL."""
+
+    def __init__(self, said, exits_on=()):
+        self.pid, self.said, self.exits_on, self.sent, self.code = -1, said, exits_on, [], None
+
+    def send_signal(self, signum):
+        self.sent.append(signum)
+        if signum in (*self.exits_on, signal.SIGKILL) and self.code is None:
+            with self.said:
+                self.code = 1 if signum != signal.SIGKILL else -signum
+                self.said.notify_all()
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
+
+    def poll(self):
+        return self.code
+
+    def wait(self, timeout=None):
+        return self.code
+
+
+def test_a_signal_reaches_each_child_once_and_a_second_one_kills_them_at_once(tmp_path):
+    # One SIGTERM is reported twice (the watch thread, Lightning's handler by launcher.kill); a second
+    # Ctrl-C, which only the watch thread counts, ends everything at once
+    children = hydra_fsdp._ChildRanks(tmp_path, threading.Condition())
+    child = _Child(children.said)
+    children.add(1, child)
+    children.stop(signal.SIGINT, grace=60)  # the watch thread
+    children.stop(signal.SIGINT, grace=60)  # Lightning's handler, or the job's close: the same signal
+    assert child.sent == [signal.SIGINT] and children.stopped_by == signal.SIGINT
+    children.stop(signal.SIGINT, grace=60, again=True)  # a second Ctrl-C
+    assert child.sent == [signal.SIGINT, signal.SIGKILL]
+
+
+def test_close_gives_the_children_the_grace_then_kills_and_names_the_rest(tmp_path):
+    children = hydra_fsdp._ChildRanks(tmp_path, threading.Condition())
+    graceful, stuck = _Child(children.said, exits_on=[signal.SIGTERM]), _Child(children.said)
+    children.add(1, graceful)
+    children.add(2, stuck)
+    started = time.monotonic()
+    assert children.close(signal.SIGTERM, 0.5) == [2]
+    assert 0.5 <= time.monotonic() - started < 5
+    # then SIGKILL, by the grace's thread and by close (the fork server kills none it has reaped)
+    assert graceful.sent[0] == signal.SIGTERM and set(graceful.sent[1:]) == {signal.SIGKILL}
+    assert stuck.sent[0] == signal.SIGTERM and set(stuck.sent[1:]) == {signal.SIGKILL}
+    assert graceful.code == 1 and stuck.code == -signal.SIGKILL  # the one had exited by itself
+    started = time.monotonic()
+    children.end()  # the job's later end: the grace is over, nothing waits
+    assert time.monotonic() - started < 0.5
 
 
 def test_a_child_that_outlives_sigkill_is_not_waited_for_forever(tmp_path, monkeypatch, caplog):
@@ -806,7 +878,7 @@ def test_a_signal_while_children_are_being_started_ends_every_one(tmp_path):
 
     first.send_signal.side_effect = rank_2_added_meanwhile
     errors = []
-    signal_thread = threading.Thread(target=lambda: errors.append(children.stop(signal.SIGTERM)))
+    signal_thread = threading.Thread(target=lambda: errors.append(children.stop(signal.SIGTERM, 30)))
     signal_thread.start()
     signal_thread.join(timeout=5)
     adding.join(timeout=5)
@@ -1191,7 +1263,7 @@ def test_hanging_up_on_the_job_store_ends_a_wait_in_it_at_once():
     started = time.monotonic()
     socket.setdefaulttimeout(5)  # as a library may have set it
     try:
-        hydra_fsdp._hang_up_on(server.port)
+        hydra_fsdp._hang_up_on({server.port})
     finally:
         socket.setdefaulttimeout(None)
     waiter.join(timeout=30)

@@ -204,6 +204,39 @@ def test_a_signal_while_child_ranks_are_started_ends_every_one(app):
     print(f"SIGTERM while starting child ranks: the sweep exited {sweep.returncode} {took:.1f} s after it")
 
 
+# What a user gets on Ctrl-C or SIGTERM (issue 64): every rank's graceful shutdown, Lightning's on_exception
+# hooks (here a callback's, which takes 1.5 s as a logger's finalize does), within the grace, then the sweep
+# ends as the signal does. The grace here (15 s) is far above what they take, far below a hang's bound.
+ON_EXCEPTION = {"APP_ON_EXCEPTION_SECONDS": "1.5", "APP_SLOW_STEPS": "0.5", "MUSHIN_DDP_SHUTDOWN_GRACE": "15"}
+
+
+@pytest.mark.parametrize("how", ["SIGINT to its process group", "SIGTERM to the sweep alone"])
+def test_a_signal_gives_every_rank_its_graceful_shutdown_then_ends_the_sweep(app, how):
+    job = app / "sweep" / "0"
+    sweep = start_sweep(app, "module.lr=0.1,0.2", "trainer.max_epochs=100", env=ON_EXCEPTION)
+    try:
+        began = [job / "steps" / f"rank{rank}_1" for rank in (0, 1)]
+        wait_for(lambda: all(step.exists() for step in began), SWEEP_TIMEOUT, "both ranks of job 0 to train")
+        stopped = time.monotonic()
+        stop(sweep, how)
+        sweep.wait(timeout=float(ON_EXCEPTION["MUSHIN_DDP_SHUTDOWN_GRACE"]) + 10)
+        took = time.monotonic() - stopped
+    finally:
+        sweep.end()
+    output = sweep.text()
+    ran = {rank: (job / f"on_exception_rank{rank}").read_text() for rank in (0, 1)
+           if (job / f"on_exception_rank{rank}").exists()}  # fmt: skip
+    assert sorted(ran) == [0, 1], f"on_exception completed on ranks {ran} only:\n{output[-6000:]}"
+    name = "SIGINT (Ctrl-C)" if how.startswith("SIGINT") else "SIGTERM"
+    assert f"The job was interrupted by {name} after" in output, output[-6000:]
+    assert "still running after the grace" not in output and "killed by SIGKILL" not in output, output[-6000:]
+    assert "Child rank 1 failed" not in output, output[-6000:]
+    expected = (130, -signal.SIGINT) if how.startswith("SIGINT") else (143,)
+    assert sweep.returncode in expected, f"exit status {sweep.returncode}:\n{output[-6000:]}"
+    assert not (app / "sweep" / "1").exists(), output[-6000:]
+    print(f"{how}: on_exception ran: {ran}; the sweep exited {sweep.returncode} {took:.1f} s after it")
+
+
 def test_a_sweep_that_ignores_sigint_ignores_it_on_every_rank(app):
     # a fresh child would inherit rank 0's ignored SIGINT; a forked one must not die of it either
     sweep = start_sweep(app, "module.lr=0.1,0.2", env={"APP_SLOW_STEPS": "0.5"}, sigint_ignored=True)

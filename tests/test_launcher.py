@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ from helpers import (
     records,
     run_side_by_side,
     start_sweep,
+    stop,
     wait_for,
 )
 from shared import nothing_outlives
@@ -375,6 +377,40 @@ def test_sigterm_or_sigint_to_the_sweep_ends_every_running_rank(tmp_path):
     assert all(sweep.returncode != 0 for sweep in sweeps)
     assert not [pid for pid in pids if alive(pid)]
     assert not [app for app in apps if Path(app / "sweep" / "1").exists()], "a sweep went on after the signal"
+
+
+# What a user gets on Ctrl-C or SIGTERM (issue 64), as on the strategies' route (tests/test_faults.py): every
+# rank's graceful shutdown (a callback's on_exception that takes 1.5 s), within the grace (15 s here: far
+# above what they take, far below a hang's bound), then the sweep ends as the signal does.
+GRACE = 15
+
+
+@pytest.mark.parametrize("how", ["SIGINT to its process group", "SIGTERM to the sweep alone"])
+def test_a_signal_gives_every_rank_its_graceful_shutdown_then_ends_the_sweep(tmp_path, how):
+    app, job = launcher_app(tmp_path), tmp_path / "sweep" / "0"
+    sweep = start_sweep(app, *LAUNCHER, "hydra.launcher.nproc_per_node=2", "case=interrupted,plain",
+                        f"hydra.launcher.shutdown_grace={GRACE}")  # fmt: skip
+    try:
+        began = [job / f"training_rank{rank}" for rank in (0, 1)]
+        wait_for(lambda: all(mark.exists() for mark in began), FAULT_BOUND, "both ranks of job 0 to train")
+        stopped = time.monotonic()
+        stop(sweep, how)
+        sweep.wait(GRACE + 10)
+        took = time.monotonic() - stopped
+    finally:
+        sweep.end()
+    output = sweep.text()
+    ran = {rank: (job / f"on_exception_rank{rank}").read_text() for rank in (0, 1)
+           if (job / f"on_exception_rank{rank}").exists()}  # fmt: skip
+    assert sorted(ran) == [0, 1], f"on_exception completed on ranks {ran} only:\n{output[-6000:]}"
+    name = "SIGINT (Ctrl-C)" if how.startswith("SIGINT") else "SIGTERM"
+    assert f"The job was interrupted by {name} after" in jobs(app)[0]["error"], output[-6000:]
+    assert f"The job was interrupted by {name} after" in output, output[-6000:]
+    assert "still running after the grace" not in output and "killed by SIGKILL" not in output, output[-6000:]
+    expected = (130, -signal.SIGINT) if how.startswith("SIGINT") else (143,)
+    assert sweep.returncode in expected, f"exit status {sweep.returncode}:\n{output[-6000:]}"
+    assert not (tmp_path / "sweep" / "1").exists(), output[-6000:]
+    print(f"{how}: on_exception ran: {ran}; the sweep exited {sweep.returncode} {took:.1f} s after it")
 
 
 @pytest.mark.fsdp_cpu

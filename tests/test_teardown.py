@@ -9,9 +9,13 @@ destroys the group at once: before the fix this hung on every run on torch 2.3.
 
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 
-from helpers import Run, free_port, run
+from helpers import Run, free_port, run, wait_for
+
+import hydra_fsdp
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,3 +51,19 @@ def test_destroying_the_group_with_collectives_in_flight_does_not_hang(tmp_path)
         child.wait(timeout=60)
     assert rank0.returncode == 0 and child.returncode == 0, rank0.text()
     assert "destroyed in" in rank0.text(), rank0.text()
+
+
+def test_an_abort_that_blocks_does_not_hold_up_the_end_of_the_stage(monkeypatch):
+    """NCCL's abort can block (a communicator stuck in a kernel). The fork server's reader starts a failed
+    child's abort on a thread of its own; the stage's end, on the main thread at the job's end, must not
+    wait for it past its bound (hydra_fsdp._KILL_WAIT), or the job, and the sweep, would never end."""
+    monkeypatch.setattr(hydra_fsdp, "_abort_groups", lambda: time.sleep(60))
+    monkeypatch.setattr(hydra_fsdp, "_KILL_WAIT", 1.0)  # its bound (5 s), shorter for the test
+    abort = hydra_fsdp._StageAbort(free_port())
+    with abort.stage():
+        threading.Thread(target=abort.abort, args=(1,), daemon=True).start()  # as on_failure is started
+        wait_for(lambda: abort.aborted, 10, "the abort to begin")
+        started = time.monotonic()
+    took = time.monotonic() - started
+    assert took < hydra_fsdp._KILL_WAIT + 2, f"the stage ended {took:.1f} s after the blocked abort began"
+    assert not abort.in_stage and abort.for_rank == 1  # a later abort, waiting for the lock, aborts none

@@ -15,7 +15,11 @@ it; ``case`` picks what a job does:
   (``accelerator=gpu``: on a GPU each);
 - ``exit``: rank 0 exits (status 0) before it returns anything;
 - ``unpicklable``: rank 0 returns a lock, which cannot be pickled;
-- ``slow_build``: rank 0 builds for 3 s (a sleep) before it meets the other ranks in the process group.
+- ``slow_build``: rank 0 builds for 3 s (a sleep) before it meets the other ranks in the process group;
+- ``interrupted``: train for long (half a second a step, 100 epochs), each rank with a callback whose
+  ``on_exception`` takes 1.5 s (as a logger's finalize does), then writes <job dir>/on_exception_rank<RANK>
+  holding the exception's type; each rank writes training_rank<RANK> as it begins its first step. For a
+  signal to the sweep mid-fit.
 
 Every rank logs "rank <r> runs job <n>" (logger ``launcher_app``) as it starts. With
 ``LAUNCHER_APP_CLOSURE=1`` the task function is a closure, which a child cannot import by name; with
@@ -58,6 +62,19 @@ class Config:
     accelerator: str = "cpu"
     meet_in: str = ""
     together: bool = False  # hydra.launcher.start_ranks_together=${together}: read per job
+
+
+class SlowOnException(pl.Callback):
+    """``case=interrupted``'s callback (see the module's docstring)."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, idx):
+        (Path(HydraConfig.get().runtime.output_dir) / f"training_rank{trainer.global_rank}").touch()
+        time.sleep(0.5)
+
+    def on_exception(self, trainer, pl_module, exception):
+        time.sleep(1.5)
+        job_dir = Path(HydraConfig.get().runtime.output_dir)
+        (job_dir / f"on_exception_rank{trainer.global_rank}").write_text(type(exception).__name__)
 
 
 class Tiny(pl.LightningModule):
@@ -148,7 +165,8 @@ def train(cfg):
             accelerator=cfg.accelerator,
             devices=cfg.devices,
             strategy=strategy,
-            max_epochs=3 if deepspeed else 1,
+            max_epochs=3 if deepspeed else 100 if cfg.case == "interrupted" else 1,
+            callbacks=[SlowOnException()] if cfg.case == "interrupted" else None,
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,

@@ -254,6 +254,15 @@ class ShardedTiny(Tiny):
             fully_shard(layer, mesh=mesh["data_parallel"])
 
 
+class SlowOnException(pl.Callback):
+    """With APP_ON_EXCEPTION_SECONDS set, on every rank: on_exception takes that long (as a logger's finalize
+    does: an upload), then writes <job dir>/on_exception_rank<R> holding the exception's type."""
+
+    def on_exception(self, trainer, pl_module, exception):
+        time.sleep(float(os.environ["APP_ON_EXCEPTION_SECONDS"]))
+        (job_dir() / f"on_exception_rank{local_rank()}").write_text(type(exception).__name__)
+
+
 class _Tee:
     """A stream that also writes to a file."""
 
@@ -390,6 +399,7 @@ def task(cfg):
     extra = (
         [pl.callbacks.EarlyStopping(monitor="val_loss")] if cfg.rank0_callback and local_rank() == 0 else []
     )
+    extra += [SlowOnException()] if os.environ.get("APP_ON_EXCEPTION_SECONDS") else []
     trainer = instantiate(cfg.trainer, callbacks=extra + list(cfg.trainer.callbacks or []))
     module = instantiate(cfg.module)
     datamodule = instantiate(cfg.datamodule) if cfg.use_datamodule else None
