@@ -2491,13 +2491,8 @@ class HydraFSDPLauncher(Launcher):
             os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the sweep alone, which passes it on once
             _exit_with(os.getppid())
             self.write_end = write_end
-            ret = run_job(
-                hydra_context=self.hydra_context,
-                task_function=functools.partial(self._run_ranks, connection),
-                config=config,
-                job_dir_key="hydra.sweep.dir",
-                job_subdir_key="hydra.sweep.subdir",
-            )
+            task_function = functools.partial(self._run_ranks, connection)
+            ret = run_job(task_function, config, "hydra.sweep.dir", "hydra.sweep.subdir", self.hydra_context)
             ret.cfg, outcome = None, {"ret": ret}
         except BaseException as error:  # noqa: BLE001 - the job's, for the sweep to report
             outcome = {"error": error}
@@ -2566,11 +2561,9 @@ def _job_return(agent: Any, code: int, ended: dict) -> JobReturn:
         " back the job's result; the job's ranks ended with it. Its output is above."
     )
     ended[agent.number] = outcome.get("ended") or (0.0, f"{error!r}")
+    hydra_cfg, overrides = OmegaConf.create({"hydra": agent.config.hydra}), agent.config.hydra.overrides.task
     ret = outcome.get("ret") or JobReturn(
-        overrides=OmegaConf.to_container(agent.config.hydra.overrides.task),
-        hydra_cfg=OmegaConf.create({"hydra": agent.config.hydra}),
-        status=JobStatus.FAILED,
-        _return_value=error,
+        list(overrides), hydra_cfg=hydra_cfg, status=JobStatus.FAILED, _return_value=error
     )
     ret.cfg = copy.deepcopy(agent.config)
     with read_write(ret.cfg), open_dict(ret.cfg):
@@ -2610,7 +2603,6 @@ def _start_ranks(
     the fork server's thread appends each failed rank to."""
     config, job_dir = hydra_job["config"], children.job_dir
     spec, inventory = _job_spec(config.hydra.launcher)
-    world = spec.world_size
     placement = _placement(spec, job)
     for leftover in (_RESULT_FILE, _LAUNCH_FILE):  # an earlier run's into this dir is never this one's
         (job_dir / leftover).unlink(missing_ok=True)
@@ -2623,27 +2615,26 @@ def _start_ranks(
     if why_not is not None:  # forked here, not in the except: a fork would run the job in its context
         server = _local_fork_server(hydra_job, why_not, launcher.write_end)  # (the other connection unused)
     server.listen(children.said)
-    env = _torchrun_env(world, config.hydra.job.num, placement, inventory)
+    env = _torchrun_env(spec.world_size, config.hydra.job.num, placement, inventory)
+    env[_RESULT_ENV] = str(job_dir / _RESULT_FILE)  # rank 0's (_hand_back)
     where = [f"cores {','.join(map(str, cores))}" for cores in placement.cores if cores is not None]
     log.info(
-        f"hydra_fsdp: job #{config.hydra.job.num} starts ({' '.join(config.hydra.overrides.task)}): {world}"
-        f" rank(s) on {env.get('CUDA_VISIBLE_DEVICES', ' | '.join(where) or 'every core')}, logs {job_dir}"
+        f"hydra_fsdp: job #{config.hydra.job.num} starts ({' '.join(config.hydra.overrides.task)}):"
+        f" {spec.world_size} rank(s) on {env.get('CUDA_VISIBLE_DEVICES', ' | '.join(where) or 'every core')},"
+        f" logs {job_dir}"
     )
     delay, failures = _launch_delay(), []
     command = [sys.executable, os.path.abspath(__file__), str(job_dir / _LAUNCH_FILE)]
-    for rank in range(world):
+    for rank in range(spec.world_size):
         if rank == 1 and not config.hydra.launcher.start_ranks_together:
             _wait_for_rank_0(children, int(env["MASTER_PORT"]), spec.rank_timeout)
         elif rank and delay:
             time.sleep(delay)
         if children.procs and children.procs[0].poll() is not None:
             break  # rank 0 ended first: its outcome is the job's
-        env = {key: value for key, value in env.items() if key not in (_RANK_CORES_ENV, _RESULT_ENV)}
-        env.update(RANK=str(rank), LOCAL_RANK=str(rank))
-        if placement.cores[rank] is not None:
+        env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
+        if placement.cores[rank] is not None:  # every rank's, or none's
             env[_RANK_CORES_ENV] = ",".join(map(str, placement.cores[rank]))
-        if rank == 0:
-            env[_RESULT_ENV] = str(job_dir / _RESULT_FILE)
         on_failure = functools.partial(failures.append, rank)
         children.add(rank, server.start(command, env, children.log(rank), spec.rank_timeout, on_failure))
     return failures
@@ -2740,10 +2731,7 @@ def _outcome(children: _ChildRanks, failures: list, settled: bool, job_timeout: 
         try:
             outcome = pickle.loads(result.read_bytes())
         except Exception as error:  # noqa: BLE001 - a class the sweep's process cannot import, or more
-            outcome = {
-                "error": RankLaunchError(f"Rank 0's outcome cannot be unpickled here: {error!r}. {_PLAIN}")
-            }
-        result.unlink()
+            outcome = {"error": RankLaunchError(f"Rank 0's outcome does not unpickle: {error!r}. {_PLAIN}")}
     if first is None and "value" in outcome:
         return outcome["value"]
     if isinstance(outcome.get("error"), Exception):  # not rank 0's Ctrl-C: the sweep's to stop on
@@ -2791,7 +2779,7 @@ def _hand_back(**outcome: Any) -> None:
     """Under the launcher, rank 0's return value (``value``) or exception (``error``), for the job's agent,
     written whole or not at all. What cannot be pickled is handed back as an error saying so."""
     path = os.environ.get(_RESULT_ENV)
-    if path is None:
+    if path is None or os.environ.get("RANK") != "0":
         return
     if "error" in outcome:
         outcome["sent"] = _failure_sent(outcome["error"])
