@@ -1614,7 +1614,11 @@ def test_rank_0s_tensors_come_back_on_the_cpu_and_what_cannot_be_pickled_is_name
     """Unpickled as it was, a CUDA tensor would start CUDA in the job's agent and in the sweep's process, on
     cuda:0, a GPU another job may hold. The result file is written whole, its owner's alone."""
     result = tmp_path / "rank_0.result.pickle"
-    monkeypatch.setenv("HYDRA_FSDP_RESULT", str(result))
+    monkeypatch.setenv("HYDRA_FSDP_RESULT", str(result))  # every rank has it: rank 0 alone writes it
+    monkeypatch.setenv("RANK", "1")
+    hydra_fsdp._hand_back(value="rank 1's")
+    assert not result.exists()
+    monkeypatch.setenv("RANK", "0")
     on_a_gpu = torch.arange(3.0).as_subclass(OnAGPU)
     hydra_fsdp._hand_back(value={"metric": on_a_gpu, "plain": torch.ones(1)})
     handed = pickle.loads(result.read_bytes())["value"]
