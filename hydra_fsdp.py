@@ -1184,6 +1184,7 @@ class _ChildRanks:
             first = self.stopped_by is None
             if first:
                 self.deadline, self.stopped_by = time.monotonic() + grace, signum  # read unlocked by end
+            self.killed.update(self.running() if again else ())
             for proc in list(self.procs.values()) if first or again else ():
                 proc.send_signal(signum if first else signal.SIGKILL)
         if first:
@@ -1194,9 +1195,14 @@ class _ChildRanks:
         """End them as torch elastic's ``PContext.close`` does: ``signum`` to every child (``stop``), up to
         ``grace`` s for all to exit (their graceful shutdown: Lightning's ``on_exception`` hooks, its
         loggers' finalize), then SIGKILL to the rest (``end``), which it returns; a second signal cuts the
-        grace short."""
+        grace short. A second Ctrl-C's KeyboardInterrupt here (the caller's main thread) does too: it ends
+        them at once (as the watch thread, where there is one, already did), and the caller goes on."""
         self.stop(signum, grace)
-        self.end()
+        try:
+            self.end()
+        except KeyboardInterrupt:
+            self.stop(signum, grace, again=True)
+            self.end()
         return sorted(self.killed)
 
     def end(self) -> None:
