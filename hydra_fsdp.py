@@ -164,6 +164,7 @@ _NCCL_KEEPS_THE_PROCESS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_D
 _JOB_ENV = (*_RENDEZVOUS_ENV, *_NCCL_KEEPS_THE_PROCESS, "OMP_NUM_THREADS")
 # How often a wait looks again at what only polling shows (a check-in): on the path of every job.
 _POLL_INTERVAL = 0.01
+_CLAIM_POLL = 0.1  # how often a job that waits for devices looks again
 _LOG_TAIL_LINES = 20  # of a failed child's log, shown in its job's error
 _LOG_TAIL_BYTES = 1 << 16  # read from the end of that log to find them
 _DIFFERENCES_SHOWN = 5
@@ -796,53 +797,39 @@ def _claim(folder: Path, kind: str, inventory: list, count: int, job: contextlib
 
 
 def _claim_in_turn(folder: Path, kind: str, inventory: list, count: int, job: contextlib.ExitStack) -> list:
-    """Each device is a file whose ``flock`` its holder keeps. Where too few are free, say once what the
-    job waits for, and wait in the kernel, not by polling: a thread blocked on each busy device's lock.
-    One that gets its lock after the claim is complete (or interrupted) lets go of it at once."""
+    """Each device is a file whose ``flock`` its holder keeps. Take free ones until ``count`` are held; where
+    too few are free, say once what the job waits for and look again every ``_CLAIM_POLL`` s (the queue keeps
+    other claimers out meanwhile; each holder lets go as its job ends). Whatever raises (a signal in the
+    wait), every file opened here is closed, its lock with it; the claim's close as ``job`` does."""
     paths = [folder / f"{kind}{name}.lock" for name in inventory]
-    # Whatever raises, every file opened here is closed at the end (its lock with it) but the claim's
-    # (kept), and those a thread still waits for (waiting, not free): it closes its own (done).
-    files, free, waiting, kept, done, changed = [], [], [], [], [], threading.Condition()
+    files, held, claimed = [], [], False
     try:
         files.extend(os.open(path, os.O_RDWR | os.O_CREAT, 0o600) for path in paths)  # one by one
-        free.extend(index for index, fd in enumerate(files) if _locked_now(fd))
-        busy = [index for index in range(len(files)) if index not in free]
-        if len(free) < count:
-            holders = sorted({paths[index].read_text().strip() for index in busy} - {""})
-            log.warning(
-                f"hydra_fsdp: this job waits for {count} free {kind}s of {', '.join(inventory)}:"
-                f" {', '.join(inventory[index] for index in busy)} are held by other running jobs (rank 0 pid"
-                f" {', '.join(holders)}). It starts as soon as enough are free."
-            )
-            for index in busy:
-                take = functools.partial(_take_when_free, files[index], index, free, changed, done)
-                threading.Thread(target=take, name="hydra-fsdp-claim", daemon=True).start()
-                waiting.append(index)
-        with changed:  # bounded by the holders' lives: the kernel lets go of their locks when they end
-            changed.wait_for(lambda: len(free) >= count)
-            chosen = sorted(free[:count])
-        for index in chosen:  # for a job that waits to name who holds it
+        for looked in itertools.count():
+            held += [index for index, fd in enumerate(files) if index not in held and _locked_now(fd)]
+            if len(held) >= count:
+                break
+            if not looked:
+                busy = [index for index in range(len(files)) if index not in held]
+                holders = sorted({paths[index].read_text().strip() for index in busy} - {""})
+                log.warning(
+                    f"hydra_fsdp: this job waits for {count} free {kind}s of {', '.join(inventory)}:"
+                    f" {', '.join(inventory[index] for index in busy)} are held by other running jobs (pid"
+                    f" {', '.join(holders)}). It starts as soon as enough are free."
+                )
+            time.sleep(_CLAIM_POLL)
+        held = sorted(held[:count])
+        for index in held:  # for a job that waits to name who holds it
             os.ftruncate(files[index], 0)
             os.pwrite(files[index], f"{os.getpid()}\n".encode(), 0)
-        kept = chosen
-        for index in kept:
+        for index in held:
             job.callback(os.close, files[index])
-        return kept
+        claimed = True
+        return held
     finally:
-        with changed:
-            done.append(True)
-            for index in set(range(len(files))) - set(kept) - (set(waiting) - set(free)):
-                os.close(files[index])
-
-
-def _take_when_free(fd: int, index: int, free: list, changed: threading.Condition, done: list) -> None:
-    fcntl.flock(fd, fcntl.LOCK_EX)  # a daemon thread's: bounded by the life of the device's holder
-    with changed:
-        if done:
-            os.close(fd)
-        else:
-            free.append(index)
-            changed.notify_all()
+        for index, fd in enumerate(files):
+            if not (claimed and index in held):
+                os.close(fd)
 
 
 def _locked_now(fd: int) -> bool:
