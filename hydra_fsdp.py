@@ -56,15 +56,14 @@ the signal watch                (thread "hydra-fsdp-signals") of rank 0's job, f
                                 (``_SignalWatch``): passes SIGINT/SIGTERM on to the children once.
 the grace                       (thread "hydra-fsdp-grace") of a stopped job (``_ChildRanks.stop``): ends
                                 the children still running when the grace ends.
-the claim threads               (threads "hydra-fsdp-claim") of a job that waits for devices, one per busy
-                                device (``_claim_in_turn``); each ends when its device's holder lets go.
 ``_ChildRanks.lock``            a job's: held while signals are written to the fork server (``stop``,
                                 ``add``), from the watch thread, a signal handler or the main thread.
 ``_StageAbort.lock``            a job's: held by the abort of its stage under way (a thread of its own);
                                 the stage's end waits for it ``_KILL_WAIT`` s at most.
-claim flocks                    one file per device (and a queue's) in the claims folder, locked by the
-                                process that runs the job's devices' claim (rank 0, or the job's agent)
-                                for the job's life; the kernel lets go of them when that process ends.
+claim flocks                    one file per device (and a queue's, held while a job claims, polling
+                                for busy devices) in the claims folder, locked by the process that claims
+                                the job's devices (rank 0, or the job's agent) for the job's life; the
+                                kernel lets go of them when that process ends.
 ==============================  =========================================================================
 
 *Stopping*: on SIGINT (Ctrl-C) or SIGTERM, on both routes, every running rank gets that signal once, then
@@ -1171,6 +1170,7 @@ class _ChildRanks:
             first = self.stopped_by is None
             if first:
                 self.deadline, self.stopped_by = time.monotonic() + grace, signum  # read unlocked by end
+            self.killed.update(self.running() if again else ())
             for proc in list(self.procs.values()) if first or again else ():
                 proc.send_signal(signum if first else signal.SIGKILL)
         if first:
@@ -1181,9 +1181,14 @@ class _ChildRanks:
         """End them as torch elastic's ``PContext.close`` does: ``signum`` to every child (``stop``), up to
         ``grace`` s for all to exit (their graceful shutdown: Lightning's ``on_exception`` hooks, its
         loggers' finalize), then SIGKILL to the rest (``end``), which it returns; a second signal cuts the
-        grace short."""
+        grace short. A second Ctrl-C's KeyboardInterrupt here (the caller's main thread) does too: it ends
+        them at once (as the watch thread, where there is one, already did), and the caller goes on."""
         self.stop(signum, grace)
-        self.end()
+        try:
+            self.end()
+        except KeyboardInterrupt:
+            self.stop(signum, grace, again=True)
+            self.end()
         return sorted(self.killed)
 
     def end(self) -> None:

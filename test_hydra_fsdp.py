@@ -782,6 +782,23 @@ def test_close_gives_the_children_the_grace_then_kills_and_names_the_rest(tmp_pa
     assert time.monotonic() - started < 0.5
 
 
+def test_a_second_ctrl_c_during_the_grace_kills_the_children_at_once(tmp_path):
+    # rank 0's main thread waits in close() for the grace; a second Ctrl-C raises KeyboardInterrupt there
+    children = hydra_fsdp._ChildRanks(tmp_path, threading.Condition())
+    stuck = _Child(children.said)
+    children.add(1, stuck)
+    second = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    started = time.monotonic()
+    second.start()
+    try:
+        killed = children.close(signal.SIGINT, 60)
+    except KeyboardInterrupt:  # not pytest's to stop the run on
+        pytest.fail("the second Ctrl-C's KeyboardInterrupt escaped close(), the children left to the grace")
+    assert killed == [1]
+    assert time.monotonic() - started < 5, "the second Ctrl-C did not cut the grace short"
+    assert stuck.sent[:2] == [signal.SIGINT, signal.SIGKILL]
+
+
 def test_a_child_that_outlives_sigkill_is_not_waited_for_forever(tmp_path, monkeypatch, caplog):
     # How a child in uninterruptible sleep (a hung driver, a dead file system) looks from rank 0: SIGKILL
     # sent, and the fork server never reports its exit. Rank 0 is the sweep: it may wait, but not forever.
