@@ -574,9 +574,8 @@ class _ForkServer:
                 self.lost = True
                 self.said.notify_all()
 
-    def start(
-        self, command: list, env: dict, log: Path, timeout: float, on_failure: Callable[[], None]
-    ) -> "_ForkedChild":
+    def start(self, command: list, env: dict, log: Path, timeout: float,
+              on_failure: Callable[[], None]) -> "_ForkedChild":  # fmt: skip
         """Have the server fork a child running ``command`` with ``env`` into ``log`` within ``timeout``
         s; ``on_failure`` is called, on a thread of its own, if it exits with an error."""
         request = {"command": command, "env": env, "cwd": os.getcwd(), "log": str(log)}
@@ -722,12 +721,9 @@ def _run_forked(request: dict, server_fds: list, sigint: Any) -> None:
         for fd in server_fds:
             os.close(fd)
         signal.signal(signal.SIGINT, sigint)
-        streams = ((0, os.devnull, os.O_RDONLY), (1, request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND))
-        for fd, path, flags in streams:
-            opened = os.open(path, flags, 0o666)
-            os.dup2(opened, fd)
-            os.close(opened)
-        os.dup2(1, 2)
+        with open(os.devnull, "rb") as stdin, open(request["log"], "ab") as log_file:
+            for opened, fd in ((stdin, 0), (log_file, 1), (log_file, 2)):
+                os.dup2(opened.fileno(), fd)
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
