@@ -1057,8 +1057,7 @@ class _StageAbort:
     aborts, the main thread runs the stage; one lock, so that no abort comes after the stage."""
 
     def __init__(self, store_port: int) -> None:
-        self.store_port = store_port
-        self.lock = threading.Lock()
+        self.store_port, self.lock = store_port, threading.Lock()
         self.in_stage = False
         self.aborted = False  # a collective after that fails at once, never waits
         self.for_rank: int | None = None  # the child whose exit aborted them: no checkpoint after it
@@ -1140,9 +1139,7 @@ class _ChildRanks:
     a timeout, SIGKILL at once (``end``)."""
 
     def __init__(self, job_dir: Path, said: threading.Condition) -> None:
-        self.job_dir = job_dir
-        self.said = said
-        self.procs: dict = {}
+        self.job_dir, self.said, self.procs = job_dir, said, {}
         # A signal stops them from its thread, or from a handler on the main thread while it adds one.
         # Held only while a kill is written to the fork server (proc.kill: one write to a pipe).
         self.lock = threading.RLock()
@@ -1454,16 +1451,12 @@ class _SignalWatch:
     (``_ChildRanks.stop``: the signal once, then the grace), and on a second signal kills them."""
 
     watching: "_SignalWatch | None" = None  # the one running, which a fork of rank 0 drops (in_a_fork)
-    forks_drop_it = False  # os.register_at_fork's hook, registered by the first watch: it stays
 
     def __init__(self, on_signal: Callable[[int], None]) -> None:
         self.thread: threading.Thread | None = None
         self.sigterm_was = None
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers and the wakeup fd belong to the main thread
-        if not _SignalWatch.forks_drop_it:
-            os.register_at_fork(after_in_child=_SignalWatch.in_a_fork)
-            _SignalWatch.forks_drop_it = True
         read_fd, self.write_fd = os.pipe()
         os.set_blocking(self.write_fd, False)
         previous_fd = signal.set_wakeup_fd(self.write_fd, warn_on_full_buffer=False)
@@ -1475,9 +1468,8 @@ class _SignalWatch:
         _SignalWatch.watching = self
         if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # no Python handler: no wakeup byte
             self.sigterm_was = signal.signal(signal.SIGTERM, self.raise_system_exit)
-        self.thread = threading.Thread(
-            target=self._watch, args=(read_fd, on_signal), name="hydra-fsdp-signals", daemon=True
-        )
+        self.thread = threading.Thread(target=self._watch, args=(read_fd, on_signal),
+                                       name="hydra-fsdp-signals", daemon=True)  # fmt: skip
         self.thread.start()
 
     @staticmethod
@@ -1515,6 +1507,9 @@ class _SignalWatch:
         # all the same, for a fork made past Python's (a C library's), which keeps its copy.
         self.thread.join(timeout=1.0)
         self.thread = None
+
+
+os.register_at_fork(after_in_child=_SignalWatch.in_a_fork)  # once, at import: a no-op while none watches
 
 
 def _stage_for_children(trainer: Any, call: dict) -> dict:
@@ -1576,8 +1571,7 @@ def _abort_groups() -> None:
         registry = getattr(torch.distributed.distributed_c10d, "_world", None)
         # NCCL's communicators aborted one by one can wait on each other (pytorch#119797): as one NCCL
         # group, as torch's own _abort_process_group does.
-        backends = _backends_of(torch.distributed.group.WORLD)
-        nccl = [backend for backend in backends if hasattr(backend, "_group_start")]
+        nccl = [each for each in _backends_of(torch.distributed.group.WORLD) if hasattr(each, "_group_start")]
         for backend in nccl:
             backend._group_start()
         try:
@@ -1687,13 +1681,12 @@ def _clear_torch_caches() -> None:
     """Clear torch's caches that keep a finished job's objects (``_TORCH_CACHES``), each only where its
     package was imported (else it holds nothing) and where this torch release has it."""
     for module, name in _TORCH_CACHES:
-        if module.rpartition(".")[0] not in sys.modules:
-            continue
-        try:
-            clear = operator.attrgetter(name)(importlib.import_module(module))
-        except (ImportError, AttributeError):  # not in this torch release
-            continue
-        clear()
+        if module.rpartition(".")[0] in sys.modules:
+            try:
+                clear = operator.attrgetter(name)(importlib.import_module(module))
+            except (ImportError, AttributeError):  # not in this torch release
+                continue
+            clear()
 
 
 def _free_flat_parameters(wrapper: torch.nn.Module) -> None:
