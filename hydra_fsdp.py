@@ -584,10 +584,9 @@ class _ForkServer:
         if not _wait_until(self.said, lambda: self.started or self.lost, timeout) or not self.started:
             self.end()
             how = "and ended (its error is above)" if self.lost else f"within {timeout:g} s and was ended"
-            raise ChildRankError(
-                f"hydra_fsdp's fork server (pid {self.proc.pid}), importing {', '.join(self.imports)} for the"
-                f" sweep's ranks, started none {how}. Raise rank_timeout if imports are this slow here."
-            )
+            raise ChildRankError(f"hydra_fsdp's fork server (pid {self.proc.pid}), importing"
+                                 f" {', '.join(self.imports)} for the sweep's ranks, started none {how}."
+                                 " Raise rank_timeout if imports are this slow here.")  # fmt: skip
         with self.said:
             pid = self.started.pop(0)
             if pid not in self.exit_codes:
@@ -602,10 +601,9 @@ class _ForkServer:
         try:
             self.proc.wait(_KILL_WAIT)
         except subprocess.TimeoutExpired:
-            log.warning(
-                f"hydra_fsdp: the fork server (pid {self.proc.pid}) did not end {_KILL_WAIT:g} s after"
-                " the sweep's end (a child rank it waits for is stuck in the kernel?): it was killed."
-            )
+            log.warning(f"hydra_fsdp: the fork server (pid {self.proc.pid}) did not end {_KILL_WAIT:g} s"
+                        " after the sweep's end (a child rank it waits for is stuck in the kernel?): it was"
+                        " killed.")  # fmt: skip
             self.end()
 
     def send_signal(self, pid: int, signum: int) -> None:
@@ -958,18 +956,16 @@ class _Sweep(Callback):
     def job_for(self, spec: _LaunchSpec, hydra_job: dict | None) -> "_Job":
         """The job's ranks for a stage of ``spec``: those started at Hydra's start of the job if alike."""
         if hydra_job is None or not HydraConfig.initialized():
-            raise RankLaunchError(
-                "Child ranks start from the Hydra job's config; no Hydra job runs here: call trainer.fit/..."
-                " in a Hydra task function (@hydra.main, hydra_zen), or use Lightning's own strategy."
-            )
+            raise RankLaunchError("Child ranks start from the Hydra job's config; no Hydra job runs here:"
+                                  " call trainer.fit/... in a Hydra task function (@hydra.main, hydra_zen),"
+                                  " or use Lightning's own strategy.")  # fmt: skip
         if (job := self.job) is not None and job.job_return is hydra_job.get("ret"):
             if job.spec == spec:
                 return job
             if job.released:
-                raise RankLaunchError(
-                    f"This job's ranks run world size {job.spec.world_size}; a Trainer of it now asks for"
-                    f" {spec.world_size}: give each the same devices, num_nodes and strategy arguments."
-                )
+                raise RankLaunchError(f"This job's ranks run world size {job.spec.world_size}; a Trainer of"
+                                      f" it now asks for {spec.world_size}: give each the same devices,"
+                                      " num_nodes and strategy arguments.")  # fmt: skip
         return self.start_job(spec, hydra_job)
 
     def start_job(self, spec: _LaunchSpec, hydra_job: dict) -> "_Job":
@@ -1195,10 +1191,9 @@ class _ChildRanks:
                     proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 self.unkillable.add(rank)
-                log.warning(
-                    f"hydra_fsdp: child rank {rank} (pid {proc.pid}) is still there {_KILL_WAIT:g} s after"
-                    " SIGKILL (uninterruptible sleep: a hung driver or file system?); the sweep goes on."
-                )
+                log.warning(f"hydra_fsdp: child rank {rank} (pid {proc.pid}) is still there {_KILL_WAIT:g} s"
+                            " after SIGKILL (uninterruptible sleep: a hung driver or file system?); the sweep"
+                            " goes on.")  # fmt: skip
 
     def log(self, rank: int) -> Path:
         return self.job_dir / f"rank_{rank}.log"
@@ -1221,20 +1216,17 @@ class _ChildRanks:
                 self.end()
                 if code != 0:
                     raise self.failure(rank)
-                raise ChildRankError(
-                    f"Child rank {rank} finished the job's task function while rank 0 still runs it, at a"
-                    f" stage the child never reached (it took another path). {self.describe(rank)}"
-                )
+                raise ChildRankError(f"Child rank {rank} finished the job's task function while rank 0 still"
+                                     " runs it, at a stage the child never reached (it took another path)."
+                                     f" {self.describe(rank)}")  # fmt: skip
 
     def wait_until_exited(self, timeout: float) -> ChildRankError | None:
         """Wait for every child to finish the job: the job's error if one failed or would not."""
         if not _wait_until(self.said, self.settled, timeout):
             late = self.running()
             self.end()
-            return ChildRankError(
-                f"Child rank(s) {late} were still running {timeout:g} s after rank 0 finished the job: ended."
-                f" {self.describe(late[0])}"
-            )
+            return ChildRankError(f"Child rank(s) {late} were still running {timeout:g} s after rank 0"
+                                  f" finished the job: ended. {self.describe(late[0])}")  # fmt: skip
         failed = self.first_failed()
         return None if failed is None else self.failure(failed)
 
@@ -1366,10 +1358,10 @@ class _Job:
         if not _wait_until(self.children.said, checked_in_or_exited, self.spec.rank_timeout):
             late = [rank for rank, key in keys.items() if not self.store.check([key])]
             self.children.end()
-            raise ChildRankError(
-                f"Child rank(s) {late} did not reach the process group within {self.spec.rank_timeout:g} s"
-                f" and were ended. {self.children.describe(late[0])} Raise rank_timeout if they start slowly."
-            )
+            raise ChildRankError(f"Child rank(s) {late} did not reach the process group within"
+                                 f" {self.spec.rank_timeout:g} s and were ended."
+                                 f" {self.children.describe(late[0])} Raise rank_timeout if they start"
+                                 " slowly.")  # fmt: skip
         self.children.raise_if_any_exited()
 
     def error_for(self, error: BaseException) -> BaseException:
@@ -1429,11 +1421,10 @@ class _Job:
             try:  # a peer that died mid-transfer (NVLink), or rank 0's own fault, can leave it broken
                 torch.cuda.synchronize()
             except RuntimeError as error:
-                raise SystemExit(
-                    f"hydra_fsdp: rank 0's CUDA is unusable after this job failed and its process groups were"
-                    f" aborted ({error}). Every later job of the sweep would fail or run wrong, so the sweep"
-                    " stops here: start the process again (for the remaining jobs)."
-                ) from error
+                raise SystemExit("hydra_fsdp: rank 0's CUDA is unusable after this job failed and its process"
+                                 f" groups were aborted ({error}). Every later job of the sweep would fail or"
+                                 " run wrong, so the sweep stops here: start the process again (for the"
+                                 " remaining jobs).") from error  # fmt: skip
 
 
 def _restore_environ(saved: dict) -> None:
@@ -1736,9 +1727,8 @@ class _HydraRankLauncher:
             env.validate_settings(num_devices=strategy.num_processes, num_nodes=strategy.num_nodes)
             return function(*args, **kwargs)
         if strategy.num_nodes > 1:
-            raise RankLaunchError(
-                f"num_nodes={strategy.num_nodes}: hydra_fsdp starts ranks on 1 node; use torchrun or SLURM."
-            )
+            raise RankLaunchError(f"num_nodes={strategy.num_nodes}: hydra_fsdp starts ranks on 1 node; use"
+                                  " torchrun or SLURM.")  # fmt: skip
         devices, lightning = tuple(strategy.parallel_devices), strategy._lightning.__name__
         spec = _LaunchSpec(strategy.world_size, devices, env.main_address, lightning, strategy.rank_timeout,
                            **strategy._config_keys, shutdown_grace=strategy.shutdown_grace)  # fmt: skip
