@@ -1211,8 +1211,7 @@ class _ChildRanks:
     def raise_if_any_exited(self) -> None:
         """While rank 0 runs the job's stages, every child must run."""
         for rank, proc in self.procs.items():
-            code = proc.poll()
-            if code is not None:
+            if (code := proc.poll()) is not None:
                 self.end()
                 if code != 0:
                     raise self.failure(rank)
@@ -1291,9 +1290,8 @@ class _Job:
         self.job_return = hydra_job["ret"]
         self.children = _ChildRanks(Path(HydraConfig.get().runtime.output_dir), sweep.said)
         self.released = False  # the children were told to run the job (_GO_KEY)
-        self.runs_task = True
+        self.runs_task, self.stages_announced = True, 0
         self.error: BaseException | None = None  # the job's, decided once, where it happened (error_for)
-        self.stages_announced = 0
         self.closing = contextlib.ExitStack()
         self.close = self.closing.close  # undo what the job did, the last first (or _at_exit does)
         self.closing.callback(self._forget)
@@ -1327,8 +1325,7 @@ class _Job:
         """Before rank 0 runs a stage: children alive, released, told the stage (fallback), checked in."""
         self.children.raise_if_any_exited()
         if not self.runs_task:
-            stage = json.dumps(_stage_for_children(trainer, call))
-            self.store.set(_STAGE_KEY.format(self.stages_announced), stage)
+            self.store.set(_STAGE_KEY.format(self.stages_announced), _stage_for_children(trainer, call))
             self.stages_announced += 1
         if not self.released:
             self.store.set(_GO_KEY, "1")
@@ -1404,8 +1401,7 @@ class _Job:
                 # child's late failure aborts what this destroys (Fabric's stage lasts until close)
                 self.abort.end()
                 _destroy_process_group()
-                failure = self.children.wait_until_exited(self.spec.rank_timeout)
-                if failure is not None:
+                if (failure := self.children.wait_until_exited(self.spec.rank_timeout)) is not None:
                     job_return.status = JobStatus.FAILED
                     job_return.return_value = failure
             elif self.error is None:  # rank 0 failed outside a stage (the public getter prints Hydra's line)
@@ -1503,15 +1499,13 @@ class _SignalWatch:
 os.register_at_fork(after_in_child=_SignalWatch.in_a_fork)  # once, at import: a no-op while none watches
 
 
-def _stage_for_children(trainer: Any, call: dict) -> dict:
-    """The fallback: what children repeat of a stage rank 0 runs (Lightning resolves the checkpoint)."""
+def _stage_for_children(trainer: Any, call: dict) -> str:
+    """The fallback: what children repeat of a stage rank 0 runs (Lightning resolves the checkpoint), as
+    JSON for the store."""
     datamodule_class = trainer.strategy._lightning.LightningDataModule
     data = [call.get(name) for name in ("train_dataloaders", "val_dataloaders", "dataloaders", "datamodule")]
-    return {
-        "stage": trainer.state.fn.value,
-        "ckpt_path": trainer.strategy._stage_ckpt_path,
-        "datamodule": any(isinstance(value, datamodule_class) for value in data),
-    }
+    stage = {"stage": trainer.state.fn.value, "ckpt_path": trainer.strategy._stage_ckpt_path}
+    return json.dumps({**stage, "datamodule": any(isinstance(value, datamodule_class) for value in data)})
 
 
 # ---------- a job's teardown: its process groups
