@@ -538,8 +538,7 @@ class _ForkServer:
 
     def listen(self, said: threading.Condition) -> "_ForkServer":
         """Read this connection's replies on a thread of this process (a job agent's after its fork)."""
-        self.said = said
-        self.started: list[int] = []
+        self.said, self.started = said, []  # started: the pids the server forked, not yet taken
         self.exit_codes: dict[int, int] = {}
         self.on_failure: dict[int, Callable[[], None]] = {}  # by pid, of each child still running
         self.lost = False  # the server died, or this connection did, and its children with it
@@ -602,8 +601,7 @@ class _ForkServer:
             self.proc.wait(_KILL_WAIT)
         except subprocess.TimeoutExpired:
             log.warning(f"hydra_fsdp: the fork server (pid {self.proc.pid}) did not end {_KILL_WAIT:g} s"
-                        " after the sweep's end (a child rank it waits for is stuck in the kernel?): it was"
-                        " killed.")  # fmt: skip
+                        " after the sweep's end (a child stuck in the kernel?): it was killed.")  # fmt: skip
             self.end()
 
     def send_signal(self, pid: int, signum: int) -> None:
@@ -1054,8 +1052,7 @@ class _StageAbort:
 
     def __init__(self, store_port: int) -> None:
         self.store_port, self.lock = store_port, threading.Lock()
-        self.in_stage = False
-        self.aborted = False  # a collective after that fails at once, never waits
+        self.in_stage, self.aborted = False, False  # aborted: a collective after it fails at once
         self.for_rank: int | None = None  # the child whose exit aborted them: no checkpoint after it
 
     @contextlib.contextmanager
@@ -1440,8 +1437,7 @@ class _SignalWatch:
     watching: "_SignalWatch | None" = None  # the one running, which a fork of rank 0 drops (in_a_fork)
 
     def __init__(self, on_signal: Callable[[int], None]) -> None:
-        self.thread: threading.Thread | None = None
-        self.sigterm_was = None
+        self.thread, self.sigterm_was = None, None  # the watcher; SIGTERM's handler before the watch's
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers and the wakeup fd belong to the main thread
         read_fd, self.write_fd = os.pipe()
@@ -1707,8 +1703,7 @@ class _HydraRankLauncher:
         call = inspect.signature(function).bind(*args, **kwargs).arguments
         # for the ranks to compare, and for the fallback's children to repeat
         strategy._stage_ckpt_path = None if call.get("ckpt_path") is None else str(call["ckpt_path"])
-        env = strategy.cluster_environment
-        hydra_job = _hydra_job()
+        env, hydra_job = strategy.cluster_environment, _hydra_job()
         if hydra_job is not None and "ret" in hydra_job:  # a long-lived process of the sweep: not a child
             _sweep.follow(hydra_job["hydra_context"]).ran = hydra_job["ret"]
         if env.creates_processes_externally:  # a child rank we started, or torchrun / SLURM
