@@ -537,8 +537,7 @@ class _ForkServer:
 
     def listen(self, said: threading.Condition) -> "_ForkServer":
         """Read this connection's replies on a thread of this process (a job agent's after its fork)."""
-        self.said = said
-        self.started: list[int] = []
+        self.said, self.started = said, []  # started: the pids the server forked, not yet taken
         self.exit_codes: dict[int, int] = {}
         self.on_failure: dict[int, Callable[[], None]] = {}  # by pid, of each child still running
         self.lost = False  # the server died, or this connection did, and its children with it
@@ -573,9 +572,8 @@ class _ForkServer:
                 self.lost = True
                 self.said.notify_all()
 
-    def start(
-        self, command: list, env: dict, log: Path, timeout: float, on_failure: Callable[[], None]
-    ) -> "_ForkedChild":
+    def start(self, command: list, env: dict, log: Path, timeout: float,
+              on_failure: Callable[[], None]) -> "_ForkedChild":  # fmt: skip
         """Have the server fork a child running ``command`` with ``env`` into ``log`` within ``timeout``
         s; ``on_failure`` is called, on a thread of its own, if it exits with an error."""
         request = {"command": command, "env": env, "cwd": os.getcwd(), "log": str(log)}
@@ -584,10 +582,9 @@ class _ForkServer:
         if not _wait_until(self.said, lambda: self.started or self.lost, timeout) or not self.started:
             self.end()
             how = "and ended (its error is above)" if self.lost else f"within {timeout:g} s and was ended"
-            raise ChildRankError(
-                f"hydra_fsdp's fork server (pid {self.proc.pid}), importing {', '.join(self.imports)} for the"
-                f" sweep's ranks, started none {how}. Raise rank_timeout if imports are this slow here."
-            )
+            raise ChildRankError(f"hydra_fsdp's fork server (pid {self.proc.pid}), importing"
+                                 f" {', '.join(self.imports)} for the sweep's ranks, started none {how}."
+                                 " Raise rank_timeout if imports are this slow here.")  # fmt: skip
         with self.said:
             pid = self.started.pop(0)
             if pid not in self.exit_codes:
@@ -602,10 +599,8 @@ class _ForkServer:
         try:
             self.proc.wait(_KILL_WAIT)
         except subprocess.TimeoutExpired:
-            log.warning(
-                f"hydra_fsdp: the fork server (pid {self.proc.pid}) did not end {_KILL_WAIT:g} s after"
-                " the sweep's end (a child rank it waits for is stuck in the kernel?): it was killed."
-            )
+            log.warning(f"hydra_fsdp: the fork server (pid {self.proc.pid}) did not end {_KILL_WAIT:g} s"
+                        " after the sweep's end (a child stuck in the kernel?): it was killed.")  # fmt: skip
             self.end()
 
     def send_signal(self, pid: int, signum: int) -> None:
@@ -721,12 +716,9 @@ def _run_forked(request: dict, server_fds: list, sigint: Any) -> None:
         for fd in server_fds:
             os.close(fd)
         signal.signal(signal.SIGINT, sigint)
-        streams = ((0, os.devnull, os.O_RDONLY), (1, request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND))
-        for fd, path, flags in streams:
-            opened = os.open(path, flags, 0o666)
-            os.dup2(opened, fd)
-            os.close(opened)
-        os.dup2(1, 2)
+        with open(os.devnull, "rb") as stdin, open(request["log"], "ab") as log_file:
+            for opened, fd in ((stdin, 0), (log_file, 1), (log_file, 2)):
+                os.dup2(opened.fileno(), fd)
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
@@ -961,18 +953,16 @@ class _Sweep(Callback):
     def job_for(self, spec: _LaunchSpec, hydra_job: dict | None) -> "_Job":
         """The job's ranks for a stage of ``spec``: those started at Hydra's start of the job if alike."""
         if hydra_job is None or not HydraConfig.initialized():
-            raise RankLaunchError(
-                "Child ranks start from the Hydra job's config; no Hydra job runs here: call trainer.fit/..."
-                " in a Hydra task function (@hydra.main, hydra_zen), or use Lightning's own strategy."
-            )
+            raise RankLaunchError("Child ranks start from the Hydra job's config; no Hydra job runs here:"
+                                  " call trainer.fit/... in a Hydra task function (@hydra.main, hydra_zen),"
+                                  " or use Lightning's own strategy.")  # fmt: skip
         if (job := self.job) is not None and job.job_return is hydra_job.get("ret"):
             if job.spec == spec:
                 return job
             if job.released:
-                raise RankLaunchError(
-                    f"This job's ranks run world size {job.spec.world_size}; a Trainer of it now asks for"
-                    f" {spec.world_size}: give each the same devices, num_nodes and strategy arguments."
-                )
+                raise RankLaunchError(f"This job's ranks run world size {job.spec.world_size}; a Trainer of"
+                                      f" it now asks for {spec.world_size}: give each the same devices,"
+                                      " num_nodes and strategy arguments.")  # fmt: skip
         return self.start_job(spec, hydra_job)
 
     def start_job(self, spec: _LaunchSpec, hydra_job: dict) -> "_Job":
@@ -1060,10 +1050,8 @@ class _StageAbort:
     aborts, the main thread runs the stage; one lock, so that no abort comes after the stage."""
 
     def __init__(self, store_port: int) -> None:
-        self.store_port = store_port
-        self.lock = threading.Lock()
-        self.in_stage = False
-        self.aborted = False  # a collective after that fails at once, never waits
+        self.store_port, self.lock = store_port, threading.Lock()
+        self.in_stage, self.aborted = False, False  # aborted: a collective after it fails at once
         self.for_rank: int | None = None  # the child whose exit aborted them: no checkpoint after it
 
     @contextlib.contextmanager
@@ -1143,9 +1131,7 @@ class _ChildRanks:
     a timeout, SIGKILL at once (``end``)."""
 
     def __init__(self, job_dir: Path, said: threading.Condition) -> None:
-        self.job_dir = job_dir
-        self.said = said
-        self.procs: dict = {}
+        self.job_dir, self.said, self.procs = job_dir, said, {}
         # A signal stops them from its thread, or from a handler on the main thread while it adds one.
         # Held only while a kill is written to the fork server (proc.kill: one write to a pipe).
         self.lock = threading.RLock()
@@ -1207,10 +1193,9 @@ class _ChildRanks:
                     proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 self.unkillable.add(rank)
-                log.warning(
-                    f"hydra_fsdp: child rank {rank} (pid {proc.pid}) is still there {_KILL_WAIT:g} s after"
-                    " SIGKILL (uninterruptible sleep: a hung driver or file system?); the sweep goes on."
-                )
+                log.warning(f"hydra_fsdp: child rank {rank} (pid {proc.pid}) is still there {_KILL_WAIT:g} s"
+                            " after SIGKILL (uninterruptible sleep: a hung driver or file system?); the sweep"
+                            " goes on.")  # fmt: skip
 
     def log(self, rank: int) -> Path:
         return self.job_dir / f"rank_{rank}.log"
@@ -1228,25 +1213,21 @@ class _ChildRanks:
     def raise_if_any_exited(self) -> None:
         """While rank 0 runs the job's stages, every child must run."""
         for rank, proc in self.procs.items():
-            code = proc.poll()
-            if code is not None:
+            if (code := proc.poll()) is not None:
                 self.end()
                 if code != 0:
                     raise self.failure(rank)
-                raise ChildRankError(
-                    f"Child rank {rank} finished the job's task function while rank 0 still runs it, at a"
-                    f" stage the child never reached (it took another path). {self.describe(rank)}"
-                )
+                raise ChildRankError(f"Child rank {rank} finished the job's task function while rank 0 still"
+                                     " runs it, at a stage the child never reached (it took another path)."
+                                     f" {self.describe(rank)}")  # fmt: skip
 
     def wait_until_exited(self, timeout: float) -> ChildRankError | None:
         """Wait for every child to finish the job: the job's error if one failed or would not."""
         if not _wait_until(self.said, self.settled, timeout):
             late = self.running()
             self.end()
-            return ChildRankError(
-                f"Child rank(s) {late} were still running {timeout:g} s after rank 0 finished the job: ended."
-                f" {self.describe(late[0])}"
-            )
+            return ChildRankError(f"Child rank(s) {late} were still running {timeout:g} s after rank 0"
+                                  f" finished the job: ended. {self.describe(late[0])}")  # fmt: skip
         failed = self.first_failed()
         return None if failed is None else self.failure(failed)
 
@@ -1311,9 +1292,8 @@ class _Job:
         self.job_return = hydra_job["ret"]
         self.children = _ChildRanks(Path(HydraConfig.get().runtime.output_dir), sweep.said)
         self.released = False  # the children were told to run the job (_GO_KEY)
-        self.runs_task = True
+        self.runs_task, self.stages_announced = True, 0
         self.error: BaseException | None = None  # the job's, decided once, where it happened (error_for)
-        self.stages_announced = 0
         self.closing = contextlib.ExitStack()
         self.close = self.closing.close  # undo what the job did, the last first (or _at_exit does)
         self.closing.callback(self._forget)
@@ -1347,8 +1327,7 @@ class _Job:
         """Before rank 0 runs a stage: children alive, released, told the stage (fallback), checked in."""
         self.children.raise_if_any_exited()
         if not self.runs_task:
-            stage = json.dumps(_stage_for_children(trainer, call))
-            self.store.set(_STAGE_KEY.format(self.stages_announced), stage)
+            self.store.set(_STAGE_KEY.format(self.stages_announced), _stage_for_children(trainer, call))
             self.stages_announced += 1
         if not self.released:
             self.store.set(_GO_KEY, "1")
@@ -1378,10 +1357,10 @@ class _Job:
         if not _wait_until(self.children.said, checked_in_or_exited, self.spec.rank_timeout):
             late = [rank for rank, key in keys.items() if not self.store.check([key])]
             self.children.end()
-            raise ChildRankError(
-                f"Child rank(s) {late} did not reach the process group within {self.spec.rank_timeout:g} s"
-                f" and were ended. {self.children.describe(late[0])} Raise rank_timeout if they start slowly."
-            )
+            raise ChildRankError(f"Child rank(s) {late} did not reach the process group within"
+                                 f" {self.spec.rank_timeout:g} s and were ended."
+                                 f" {self.children.describe(late[0])} Raise rank_timeout if they start"
+                                 " slowly.")  # fmt: skip
         self.children.raise_if_any_exited()
 
     def error_for(self, error: BaseException) -> BaseException:
@@ -1424,8 +1403,7 @@ class _Job:
                 # child's late failure aborts what this destroys (Fabric's stage lasts until close)
                 self.abort.end()
                 _destroy_process_group()
-                failure = self.children.wait_until_exited(self.spec.rank_timeout)
-                if failure is not None:
+                if (failure := self.children.wait_until_exited(self.spec.rank_timeout)) is not None:
                     job_return.status = JobStatus.FAILED
                     job_return.return_value = failure
             elif self.error is None:  # rank 0 failed outside a stage (the public getter prints Hydra's line)
@@ -1441,11 +1419,10 @@ class _Job:
             try:  # a peer that died mid-transfer (NVLink), or rank 0's own fault, can leave it broken
                 torch.cuda.synchronize()
             except RuntimeError as error:
-                raise SystemExit(
-                    f"hydra_fsdp: rank 0's CUDA is unusable after this job failed and its process groups were"
-                    f" aborted ({error}). Every later job of the sweep would fail or run wrong, so the sweep"
-                    " stops here: start the process again (for the remaining jobs)."
-                ) from error
+                raise SystemExit("hydra_fsdp: rank 0's CUDA is unusable after this job failed and its process"
+                                 f" groups were aborted ({error}). Every later job of the sweep would fail or"
+                                 " run wrong, so the sweep stops here: start the process again (for the"
+                                 " remaining jobs).") from error  # fmt: skip
 
 
 def _restore_environ(saved: dict) -> None:
@@ -1463,16 +1440,11 @@ class _SignalWatch:
     (``_ChildRanks.stop``: the signal once, then the grace), and on a second signal kills them."""
 
     watching: "_SignalWatch | None" = None  # the one running, which a fork of rank 0 drops (in_a_fork)
-    forks_drop_it = False  # os.register_at_fork's hook, registered by the first watch: it stays
 
     def __init__(self, on_signal: Callable[[int], None]) -> None:
-        self.thread: threading.Thread | None = None
-        self.sigterm_was = None
+        self.thread, self.sigterm_was = None, None  # the watcher; SIGTERM's handler before the watch's
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers and the wakeup fd belong to the main thread
-        if not _SignalWatch.forks_drop_it:
-            os.register_at_fork(after_in_child=_SignalWatch.in_a_fork)
-            _SignalWatch.forks_drop_it = True
         read_fd, self.write_fd = os.pipe()
         os.set_blocking(self.write_fd, False)
         previous_fd = signal.set_wakeup_fd(self.write_fd, warn_on_full_buffer=False)
@@ -1484,9 +1456,8 @@ class _SignalWatch:
         _SignalWatch.watching = self
         if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # no Python handler: no wakeup byte
             self.sigterm_was = signal.signal(signal.SIGTERM, self.raise_system_exit)
-        self.thread = threading.Thread(
-            target=self._watch, args=(read_fd, on_signal), name="hydra-fsdp-signals", daemon=True
-        )
+        self.thread = threading.Thread(target=self._watch, args=(read_fd, on_signal),
+                                       name="hydra-fsdp-signals", daemon=True)  # fmt: skip
         self.thread.start()
 
     @staticmethod
@@ -1526,15 +1497,16 @@ class _SignalWatch:
         self.thread = None
 
 
-def _stage_for_children(trainer: Any, call: dict) -> dict:
-    """The fallback: what children repeat of a stage rank 0 runs (Lightning resolves the checkpoint)."""
+os.register_at_fork(after_in_child=_SignalWatch.in_a_fork)  # once, at import: a no-op while none watches
+
+
+def _stage_for_children(trainer: Any, call: dict) -> str:
+    """The fallback: what children repeat of a stage rank 0 runs (Lightning resolves the checkpoint), as
+    JSON for the store."""
     datamodule_class = trainer.strategy._lightning.LightningDataModule
     data = [call.get(name) for name in ("train_dataloaders", "val_dataloaders", "dataloaders", "datamodule")]
-    return {
-        "stage": trainer.state.fn.value,
-        "ckpt_path": trainer.strategy._stage_ckpt_path,
-        "datamodule": any(isinstance(value, datamodule_class) for value in data),
-    }
+    stage = {"stage": trainer.state.fn.value, "ckpt_path": trainer.strategy._stage_ckpt_path}
+    return json.dumps({**stage, "datamodule": any(isinstance(value, datamodule_class) for value in data)})
 
 
 # ---------- a job's teardown: its process groups
@@ -1585,8 +1557,7 @@ def _abort_groups() -> None:
         registry = getattr(torch.distributed.distributed_c10d, "_world", None)
         # NCCL's communicators aborted one by one can wait on each other (pytorch#119797): as one NCCL
         # group, as torch's own _abort_process_group does.
-        backends = _backends_of(torch.distributed.group.WORLD)
-        nccl = [backend for backend in backends if hasattr(backend, "_group_start")]
+        nccl = [each for each in _backends_of(torch.distributed.group.WORLD) if hasattr(each, "_group_start")]
         for backend in nccl:
             backend._group_start()
         try:
@@ -1696,13 +1667,12 @@ def _clear_torch_caches() -> None:
     """Clear torch's caches that keep a finished job's objects (``_TORCH_CACHES``), each only where its
     package was imported (else it holds nothing) and where this torch release has it."""
     for module, name in _TORCH_CACHES:
-        if module.rpartition(".")[0] not in sys.modules:
-            continue
-        try:
-            clear = operator.attrgetter(name)(importlib.import_module(module))
-        except (ImportError, AttributeError):  # not in this torch release
-            continue
-        clear()
+        if module.rpartition(".")[0] in sys.modules:
+            try:
+                clear = operator.attrgetter(name)(importlib.import_module(module))
+            except (ImportError, AttributeError):  # not in this torch release
+                continue
+            clear()
 
 
 def _free_flat_parameters(wrapper: torch.nn.Module) -> None:
@@ -1738,8 +1708,7 @@ class _HydraRankLauncher:
         call = inspect.signature(function).bind(*args, **kwargs).arguments
         # for the ranks to compare, and for the fallback's children to repeat
         strategy._stage_ckpt_path = None if call.get("ckpt_path") is None else str(call["ckpt_path"])
-        env = strategy.cluster_environment
-        hydra_job = _hydra_job()
+        env, hydra_job = strategy.cluster_environment, _hydra_job()
         if hydra_job is not None and "ret" in hydra_job:  # a long-lived process of the sweep: not a child
             _sweep.follow(hydra_job["hydra_context"]).ran = hydra_job["ret"]
         if env.creates_processes_externally:  # a child rank we started, or torchrun / SLURM
@@ -1752,9 +1721,8 @@ class _HydraRankLauncher:
             env.validate_settings(num_devices=strategy.num_processes, num_nodes=strategy.num_nodes)
             return function(*args, **kwargs)
         if strategy.num_nodes > 1:
-            raise RankLaunchError(
-                f"num_nodes={strategy.num_nodes}: hydra_fsdp starts ranks on 1 node; use torchrun or SLURM."
-            )
+            raise RankLaunchError(f"num_nodes={strategy.num_nodes}: hydra_fsdp starts ranks on 1 node; use"
+                                  " torchrun or SLURM.")  # fmt: skip
         devices, lightning = tuple(strategy.parallel_devices), strategy._lightning.__name__
         spec = _LaunchSpec(strategy.world_size, devices, env.main_address, lightning, strategy.rank_timeout,
                            **strategy._config_keys, shutdown_grace=strategy.shutdown_grace)  # fmt: skip
