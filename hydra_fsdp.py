@@ -594,7 +594,10 @@ class _ForkServer:
     def close(self) -> None:
         """Close the owner's connection: the server ends, and with it any child still running. The server
         reaps each child it kills, and a child the kernel holds (uninterruptible sleep) would keep it, and so
-        the sweep's end, waiting: after ``_KILL_WAIT`` s the server is killed, the child left behind."""
+        the sweep's end, waiting: after ``_KILL_WAIT`` s the server is killed, the child left behind. Shut
+        first: a close alone, while the reader thread waits in recv on it, tells the server nothing."""
+        with contextlib.suppress(OSError):
+            self.conn.shutdown(socket.SHUT_RDWR)
         self.conn.close()
         try:
             self.proc.wait(_KILL_WAIT)
@@ -1440,11 +1443,19 @@ class _SignalWatch:
     (``_ChildRanks.stop``: the signal once, then the grace), and on a second signal kills them."""
 
     watching: "_SignalWatch | None" = None  # the one running, which a fork of rank 0 drops (in_a_fork)
+    forks_drop_it = (
+        False  # os.register_at_fork's hook, registered by the first watch (not at import): it stays
+    )
 
     def __init__(self, on_signal: Callable[[int], None]) -> None:
         self.thread, self.sigterm_was = None, None  # the watcher; SIGTERM's handler before the watch's
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers and the wakeup fd belong to the main thread
+        if (
+            not _SignalWatch.forks_drop_it
+        ):  # importing hydra_fsdp has no side effects: a vendored file's promise
+            os.register_at_fork(after_in_child=_SignalWatch.in_a_fork)
+            _SignalWatch.forks_drop_it = True
         read_fd, self.write_fd = os.pipe()
         os.set_blocking(self.write_fd, False)
         previous_fd = signal.set_wakeup_fd(self.write_fd, warn_on_full_buffer=False)
@@ -1495,9 +1506,6 @@ class _SignalWatch:
         # all the same, for a fork made past Python's (a C library's), which keeps its copy.
         self.thread.join(timeout=1.0)
         self.thread = None
-
-
-os.register_at_fork(after_in_child=_SignalWatch.in_a_fork)  # once, at import: a no-op while none watches
 
 
 def _stage_for_children(trainer: Any, call: dict) -> str:
