@@ -1115,15 +1115,11 @@ def _ports_of(pids: list) -> set:
     for pid in pids:
         with contextlib.suppress(OSError):  # it exited
             for fd in os.listdir(f"/proc/{pid}/fd"):
-                with contextlib.suppress(OSError):
+                with contextlib.suppress(OSError):  # closed as it was read
                     sockets.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
-    ports = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError):
-            for fields in map(str.split, Path(table).read_text().splitlines()[1:]):
-                if f"socket:[{fields[9]}]" in sockets:
-                    ports.add(int(fields[1].rpartition(":")[2], 16))
-    return ports
+    tables = [Path(table) for table in ("/proc/net/tcp", "/proc/net/tcp6") if os.path.exists(table)]
+    rows = [line.split() for table in tables for line in table.read_text().splitlines()[1:]]
+    return {int(row[1].rpartition(":")[2], 16) for row in rows if f"socket:[{row[9]}]" in sockets}
 
 
 class _ChildRanks:
