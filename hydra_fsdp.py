@@ -211,9 +211,7 @@ def _launch_delay(name: str = LAUNCH_DELAY_ENV, default: float = DEFAULT_LAUNCH_
     with contextlib.suppress(ValueError):  # not a number: the same error as a number out of range
         if 0 <= float(raw) < math.inf:
             return float(raw)
-    raise RankLaunchError(
-        f"{name}={raw!r} is not a number of seconds: expected finite, >= 0 (0: none), e.g. 1."
-    )
+    raise RankLaunchError(f"{name}={raw!r} is not a number of seconds: expected finite, >= 0 (0: none).")
 
 
 def _hydra_job() -> dict | None:
@@ -391,11 +389,8 @@ def _pickled(value: Any, what: str, script: str | None = None) -> tuple:
     except Exception as error:  # noqa: BLE001 - PicklingError, or what an object's own __reduce__ raises
         return None, f"{what} cannot be pickled by reference: {error}", None
     if "__main__" in pickler.main_names and not (pickler.script or _launching_script()):
-        why_not = (
-            f"{what} needs __main__.{pickler.main_names['__main__']}, of an interactive session's"
-            " __main__, which a child rank cannot import"
-        )
-        return None, why_not, None
+        main = f"__main__.{pickler.main_names['__main__']}"
+        return None, f"{what} needs {main}, of an interactive session, which a child rank cannot import", None
     return buffer.getvalue(), "", pickler.script
 
 
@@ -1917,13 +1912,11 @@ def _check_versions(lightning: types.ModuleType, strategy: str) -> None:
         if need.strategy == strategy and not (need.without_gpu and torch.cuda.is_available()):
             who = strategy + (" without a GPU" if need.without_gpu else "")
             needs.append((who, {lightning_name: need.lightning, "torch": need.torch}, ", or use HydraDDP"))
-    for who, needed, otherwise in needs:
-        too_old = [
-            name for name in found if needed.get(name) and _release(found[name]) < _release(needed[name])
-        ]
+    for who, need, otherwise in needs:
+        too_old = [name for name in found if need.get(name) and _release(found[name]) < _release(need[name])]
         if too_old:
-            what = ", ".join(f"{name}>={needed[name]} (found {found[name]})" for name in too_old)
-            install = " ".join(f"'{name}>={needed[name]}'" for name in too_old)
+            what = ", ".join(f"{name}>={need[name]} (found {found[name]})" for name in too_old)
+            install = " ".join(f"'{name}>={need[name]}'" for name in too_old)
             raise ImportError(f"{who} needs {what}: pip install {install}{otherwise}.")
 
 
@@ -1944,17 +1937,13 @@ class _HydraStrategy:
                  datamodule_key: str = "datamodule", shutdown_grace: float | None = None,
                  **kwargs: Any) -> None:  # fmt: skip
         if type(rank_timeout) is bool or not isinstance(rank_timeout, (int, float)) or not rank_timeout > 0:
-            raise ValueError(
-                f"rank_timeout={rank_timeout!r}: expected seconds > 0 (default {DEFAULT_RANK_TIMEOUT:g})."
-            )
+            raise ValueError(f"rank_timeout={rank_timeout!r}: expected seconds > 0, e.g. 600 (the default).")
         # on SIGINT or SIGTERM, the seconds its child ranks have to exit before SIGKILL: this, else the
         # environment's MUSHIN_DDP_SHUTDOWN_GRACE, else 30
         if shutdown_grace is None:
             shutdown_grace = _launch_delay(SHUTDOWN_GRACE_ENV, DEFAULT_SHUTDOWN_GRACE)
         if type(shutdown_grace) not in (int, float) or not shutdown_grace >= 0:
-            raise ValueError(
-                f"shutdown_grace={shutdown_grace!r}: expected seconds >= 0 (e.g. 30, as torchrun)"
-            )
+            raise ValueError(f"shutdown_grace={shutdown_grace!r}: expected seconds >= 0, e.g. 30.")
         config_keys = {"module_key": module_key, "datamodule_key": datamodule_key}
         for name, key in config_keys.items():
             if not isinstance(key, str) or not key:
