@@ -465,8 +465,7 @@ def _rank_launch(job: "_Job", hydra_job: dict) -> bool:
     runs the same thing in a fork of itself instead, which is up in milliseconds where a new interpreter
     takes seconds to import torch and Lightning.
     """
-    spec, config_path = job.spec, job.children.job_dir / _LAUNCH_FILE
-    delay = _launch_delay()
+    spec, config_path, delay = job.spec, job.children.job_dir / _LAUNCH_FILE, _launch_delay()
     runs_task = _write_launch(config_path, hydra_job, spec)
     command = [sys.executable, os.path.abspath(__file__), str(config_path)]
     env = {**os.environ, "MASTER_ADDR": spec.address, "MASTER_PORT": str(job.store.port), "NODE_RANK": "0"}
@@ -481,9 +480,8 @@ def _rank_launch(job: "_Job", hydra_job: dict) -> bool:
         if job.placement.cores[rank] is not None:
             env[_RANK_CORES_ENV] = ",".join(map(str, job.placement.cores[rank]))
         server = job.sweep.started_fork_server(spec.lightning)
-        on_failure = functools.partial(job.abort.abort, rank)
-        log_path = job.children.log(rank)
-        proc = server.start(command, env, log_path, timeout=spec.rank_timeout, on_failure=on_failure)
+        proc = server.start(command, env, job.children.log(rank), timeout=spec.rank_timeout,
+                            on_failure=functools.partial(job.abort.abort, rank))  # fmt: skip
         job.children.add(rank, proc)
     return runs_task
 
@@ -1828,8 +1826,7 @@ def _what_this_rank_runs(strategy: "_HydraStrategy") -> dict:
     if strategy._lightning.__name__.endswith("fabric"):
         precision = f"{type(strategy.precision).__qualname__} {strategy.precision.precision}"
         return {"stage": "fabric.launch()", "precision": precision, **seen}
-    module = strategy.lightning_module
-    trainer = module.trainer
+    module, trainer = strategy.lightning_module, strategy.lightning_module.trainer
     # an FSDP module that ran a stage holds its shard: shapes differ by rank, by design
     full = strategy._holds_full_parameters()
     shapes = [
@@ -2045,9 +2042,8 @@ class _HydraFSDP(_HydraStrategy):
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
 
-            fsdp = _fsdp()
-            sharded_state_dict = fsdp.StateDictType.SHARDED_STATE_DICT
-            with fsdp.FullyShardedDataParallel.state_dict_type(self.model, sharded_state_dict):
+            sharded_state_dict = _fsdp().StateDictType.SHARDED_STATE_DICT
+            with _fsdp().FullyShardedDataParallel.state_dict_type(self.model, sharded_state_dict):
                 state = {"model": self.model.state_dict()}
                 dcp.load(state, checkpoint_id=path)
                 self.model.load_state_dict(state["model"], strict=strict)
@@ -2083,11 +2079,10 @@ def _sharded(strategy: Any, model: torch.nn.Module, setup: Callable, kwargs: dic
     on the CPU too, and kept for the job's end to free (``_sweep.wrapped``). Lightning passes FSDP
     device_id=None on the CPU, and torch's FSDP then looks for an accelerator: there the model is wrapped
     here, with the CPU device, and Lightning is handed the wrapper."""
-    fsdp = _fsdp()
-    wrapped = any(isinstance(m, fsdp.FullyShardedDataParallel) for m in model.modules())
-    wrapping = strategy.root_device.type == "cpu" and not wrapped
+    fsdp = _fsdp().FullyShardedDataParallel
+    wrapping = strategy.root_device.type == "cpu" and not any(isinstance(m, fsdp) for m in model.modules())
     if wrapping:
-        model = fsdp.FullyShardedDataParallel(
+        model = fsdp(
             module=model, cpu_offload=strategy.cpu_offload, mixed_precision=strategy.mixed_precision_config,
             sharding_strategy=strategy.sharding_strategy, device_id=strategy.root_device, **kwargs
         )  # fmt: skip
@@ -2854,10 +2849,9 @@ def _launched_job(config_path: str) -> dict:
     except (AttributeError, ImportError) as error:
         raise RankLaunchError(f"A child rank cannot load the config: {error}. {_WHERE_CLASSES_GO}") from error
     _check_resolved_as_on_rank_0(task_cfg, launch["resolved"])
-    if launch["task"] is not None:  # the job's own, which rank 0 could pickle
-        task_function = pickle.loads(launch["task"])
-    else:  # the fallback's
-        task_function = functools.partial(_run_config_contract, **launch["contract"])
+    # the job's own, which rank 0 could pickle; else the fallback's
+    fallback = functools.partial(_run_config_contract, **launch["contract"])
+    task_function = fallback if launch["task"] is None else pickle.loads(launch["task"])
     return {"task_function": task_function, "task_cfg": task_cfg, "whitelist": launch["whitelist"]}
 
 
@@ -2892,15 +2886,15 @@ def _check_resolved_as_on_rank_0(task_cfg: DictConfig, on_rank_0: dict) -> None:
         written = _flat(OmegaConf.to_container(task_cfg))[key]
         resolvers = re.findall(r"\$\{\s*([\w.]+)\s*:", str(written))
         unregistered = [name for name in resolvers if not OmegaConf.has_resolver(name)]
-        raise RankLaunchError(
-            f"The job's config value {key}: {written!r} resolves to {here.get(key)!r} on this child rank"
-            f" and to {theirs[key]!r} on rank 0: "
-            + (
+        why = f"register {' '.join(map(repr, resolvers))} with use_cache=True: all read rank 0's value"
+        if unregistered:
+            why = (
                 f"the resolver {unregistered[0]!r} is registered on rank 0 only: register it at the top level"
                 ' of the script or of a module it imports, not in its `if __name__ == "__main__":` block.'
-                if unregistered
-                else f"register {' '.join(map(repr, resolvers))} with use_cache=True: all read rank 0's value"
             )
+        raise RankLaunchError(
+            f"The job's config value {key}: {written!r} resolves to {here.get(key)!r} on this child rank"
+            f" and to {theirs[key]!r} on rank 0: {why}"
         )
 
 
