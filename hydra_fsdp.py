@@ -1829,11 +1829,9 @@ def _what_this_rank_runs(strategy: "_HydraStrategy") -> dict:
     module, trainer = strategy.lightning_module, strategy.lightning_module.trainer
     # an FSDP module that ran a stage holds its shard: shapes differ by rank, by design
     full = strategy._holds_full_parameters()
-    shapes = [
-        (name, tuple(p.shape) if full else "sharded", str(p.dtype)) for name, p in module.named_parameters()
-    ]
+    shapes = [(name, tuple(p.shape) if full else "sharded", p.dtype) for name, p in module.named_parameters()]
     # named: a dtype alone may differ (an earlier job's torch.set_default_dtype stays in rank 0, the sweep's)
-    dtypes = "/".join(sorted({dtype.removeprefix("torch.") for *_, dtype in shapes}))
+    dtypes = "/".join(sorted({str(dtype).removeprefix("torch.") for *_, dtype in shapes}))
     settings = ["max_epochs", "max_steps", "accumulate_grad_batches", "precision"]
     settings += [f"limit_{loop}_batches" for loop in ("train", "val", "test", "predict")]
     return {
@@ -2308,9 +2306,7 @@ def _namespace_in_use(namespaces: dict = _NAMESPACES) -> str:
     for namespace, package in namespaces.items():
         if importlib.util.find_spec(package.split(".")[0]) is not None:
             return namespace
-    raise ImportError(
-        "hydra_fsdp: neither pytorch-lightning nor lightning is installed; pip install pytorch-lightning."
-    )
+    raise ImportError("neither pytorch-lightning nor lightning is installed; pip install pytorch-lightning.")
 
 
 class _OfTheLightningImported(type):
