@@ -210,9 +210,7 @@ def _launch_delay(name: str = LAUNCH_DELAY_ENV, default: float = DEFAULT_LAUNCH_
     with contextlib.suppress(ValueError):  # not a number: the same error as a number out of range
         if 0 <= float(raw) < math.inf:
             return float(raw)
-    raise RankLaunchError(
-        f"{name}={raw!r} is not a number of seconds: expected finite, >= 0 (0: none), e.g. 1."
-    )
+    raise RankLaunchError(f"{name}={raw!r} is not a number of seconds: expected finite, >= 0 (0: none).")
 
 
 def _hydra_job() -> dict | None:
@@ -390,11 +388,8 @@ def _pickled(value: Any, what: str, script: str | None = None) -> tuple:
     except Exception as error:  # noqa: BLE001 - PicklingError, or what an object's own __reduce__ raises
         return None, f"{what} cannot be pickled by reference: {error}", None
     if "__main__" in pickler.main_names and not (pickler.script or _launching_script()):
-        why_not = (
-            f"{what} needs __main__.{pickler.main_names['__main__']}, of an interactive session's"
-            " __main__, which a child rank cannot import"
-        )
-        return None, why_not, None
+        main = f"__main__.{pickler.main_names['__main__']}"
+        return None, f"{what} needs {main}, of an interactive session, which a child rank cannot import", None
     return buffer.getvalue(), "", pickler.script
 
 
@@ -469,8 +464,7 @@ def _rank_launch(job: "_Job", hydra_job: dict) -> bool:
     runs the same thing in a fork of itself instead, which is up in milliseconds where a new interpreter
     takes seconds to import torch and Lightning.
     """
-    spec, config_path = job.spec, job.children.job_dir / _LAUNCH_FILE
-    delay = _launch_delay()
+    spec, config_path, delay = job.spec, job.children.job_dir / _LAUNCH_FILE, _launch_delay()
     runs_task = _write_launch(config_path, hydra_job, spec)
     command = [sys.executable, os.path.abspath(__file__), str(config_path)]
     env = {**os.environ, "MASTER_ADDR": spec.address, "MASTER_PORT": str(job.store.port), "NODE_RANK": "0"}
@@ -485,9 +479,8 @@ def _rank_launch(job: "_Job", hydra_job: dict) -> bool:
         if job.placement.cores[rank] is not None:
             env[_RANK_CORES_ENV] = ",".join(map(str, job.placement.cores[rank]))
         server = job.sweep.started_fork_server(spec.lightning)
-        on_failure = functools.partial(job.abort.abort, rank)
-        log_path = job.children.log(rank)
-        proc = server.start(command, env, log_path, timeout=spec.rank_timeout, on_failure=on_failure)
+        proc = server.start(command, env, job.children.log(rank), timeout=spec.rank_timeout,
+                            on_failure=functools.partial(job.abort.abort, rank))  # fmt: skip
         job.children.add(rank, proc)
     return runs_task
 
@@ -1810,15 +1803,12 @@ def _what_this_rank_runs(strategy: "_HydraStrategy") -> dict:
     if strategy._lightning.__name__.endswith("fabric"):
         precision = f"{type(strategy.precision).__qualname__} {strategy.precision.precision}"
         return {"stage": "fabric.launch()", "precision": precision, **seen}
-    module = strategy.lightning_module
-    trainer = module.trainer
+    module, trainer = strategy.lightning_module, strategy.lightning_module.trainer
     # an FSDP module that ran a stage holds its shard: shapes differ by rank, by design
     full = strategy._holds_full_parameters()
-    shapes = [
-        (name, tuple(p.shape) if full else "sharded", str(p.dtype)) for name, p in module.named_parameters()
-    ]
+    shapes = [(name, tuple(p.shape) if full else "sharded", p.dtype) for name, p in module.named_parameters()]
     # named: a dtype alone may differ (an earlier job's torch.set_default_dtype stays in rank 0, the sweep's)
-    dtypes = "/".join(sorted({dtype.removeprefix("torch.") for *_, dtype in shapes}))
+    dtypes = "/".join(sorted({str(dtype).removeprefix("torch.") for *_, dtype in shapes}))
     settings = ["max_epochs", "max_steps", "accumulate_grad_batches", "precision"]
     settings += [f"limit_{loop}_batches" for loop in ("train", "val", "test", "predict")]
     return {
@@ -1894,13 +1884,11 @@ def _check_versions(lightning: types.ModuleType, strategy: str) -> None:
         if need.strategy == strategy and not (need.without_gpu and torch.cuda.is_available()):
             who = strategy + (" without a GPU" if need.without_gpu else "")
             needs.append((who, {lightning_name: need.lightning, "torch": need.torch}, ", or use HydraDDP"))
-    for who, needed, otherwise in needs:
-        too_old = [
-            name for name in found if needed.get(name) and _release(found[name]) < _release(needed[name])
-        ]
+    for who, need, otherwise in needs:
+        too_old = [name for name in found if need.get(name) and _release(found[name]) < _release(need[name])]
         if too_old:
-            what = ", ".join(f"{name}>={needed[name]} (found {found[name]})" for name in too_old)
-            install = " ".join(f"'{name}>={needed[name]}'" for name in too_old)
+            what = ", ".join(f"{name}>={need[name]} (found {found[name]})" for name in too_old)
+            install = " ".join(f"'{name}>={need[name]}'" for name in too_old)
             raise ImportError(f"{who} needs {what}: pip install {install}{otherwise}.")
 
 
@@ -1921,17 +1909,13 @@ class _HydraStrategy:
                  datamodule_key: str = "datamodule", shutdown_grace: float | None = None,
                  **kwargs: Any) -> None:  # fmt: skip
         if type(rank_timeout) is bool or not isinstance(rank_timeout, (int, float)) or not rank_timeout > 0:
-            raise ValueError(
-                f"rank_timeout={rank_timeout!r}: expected seconds > 0 (default {DEFAULT_RANK_TIMEOUT:g})."
-            )
+            raise ValueError(f"rank_timeout={rank_timeout!r}: expected seconds > 0, e.g. 600 (the default).")
         # on SIGINT or SIGTERM, the seconds its child ranks have to exit before SIGKILL: this, else the
         # environment's MUSHIN_DDP_SHUTDOWN_GRACE, else 30
         if shutdown_grace is None:
             shutdown_grace = _launch_delay(SHUTDOWN_GRACE_ENV, DEFAULT_SHUTDOWN_GRACE)
         if type(shutdown_grace) not in (int, float) or not shutdown_grace >= 0:
-            raise ValueError(
-                f"shutdown_grace={shutdown_grace!r}: expected seconds >= 0 (e.g. 30, as torchrun)"
-            )
+            raise ValueError(f"shutdown_grace={shutdown_grace!r}: expected seconds >= 0, e.g. 30.")
         config_keys = {"module_key": module_key, "datamodule_key": datamodule_key}
         for name, key in config_keys.items():
             if not isinstance(key, str) or not key:
@@ -2033,9 +2017,8 @@ class _HydraFSDP(_HydraStrategy):
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
 
-            fsdp = _fsdp()
-            sharded_state_dict = fsdp.StateDictType.SHARDED_STATE_DICT
-            with fsdp.FullyShardedDataParallel.state_dict_type(self.model, sharded_state_dict):
+            sharded_state_dict = _fsdp().StateDictType.SHARDED_STATE_DICT
+            with _fsdp().FullyShardedDataParallel.state_dict_type(self.model, sharded_state_dict):
                 state = {"model": self.model.state_dict()}
                 dcp.load(state, checkpoint_id=path)
                 self.model.load_state_dict(state["model"], strict=strict)
@@ -2071,11 +2054,10 @@ def _sharded(strategy: Any, model: torch.nn.Module, setup: Callable, kwargs: dic
     on the CPU too, and kept for the job's end to free (``_sweep.wrapped``). Lightning passes FSDP
     device_id=None on the CPU, and torch's FSDP then looks for an accelerator: there the model is wrapped
     here, with the CPU device, and Lightning is handed the wrapper."""
-    fsdp = _fsdp()
-    wrapped = any(isinstance(m, fsdp.FullyShardedDataParallel) for m in model.modules())
-    wrapping = strategy.root_device.type == "cpu" and not wrapped
+    fsdp = _fsdp().FullyShardedDataParallel
+    wrapping = strategy.root_device.type == "cpu" and not any(isinstance(m, fsdp) for m in model.modules())
     if wrapping:
-        model = fsdp.FullyShardedDataParallel(
+        model = fsdp(
             module=model, cpu_offload=strategy.cpu_offload, mixed_precision=strategy.mixed_precision_config,
             sharding_strategy=strategy.sharding_strategy, device_id=strategy.root_device, **kwargs
         )  # fmt: skip
@@ -2301,9 +2283,7 @@ def _namespace_in_use(namespaces: dict = _NAMESPACES) -> str:
     for namespace, package in namespaces.items():
         if importlib.util.find_spec(package.split(".")[0]) is not None:
             return namespace
-    raise ImportError(
-        "hydra_fsdp: neither pytorch-lightning nor lightning is installed; pip install pytorch-lightning."
-    )
+    raise ImportError("neither pytorch-lightning nor lightning is installed; pip install pytorch-lightning.")
 
 
 class _OfTheLightningImported(type):
@@ -2830,10 +2810,9 @@ def _launched_job(config_path: str) -> dict:
     except (AttributeError, ImportError) as error:
         raise RankLaunchError(f"A child rank cannot load the config: {error}. {_WHERE_CLASSES_GO}") from error
     _check_resolved_as_on_rank_0(task_cfg, launch["resolved"])
-    if launch["task"] is not None:  # the job's own, which rank 0 could pickle
-        task_function = pickle.loads(launch["task"])
-    else:  # the fallback's
-        task_function = functools.partial(_run_config_contract, **launch["contract"])
+    # the job's own, which rank 0 could pickle; else the fallback's
+    fallback = functools.partial(_run_config_contract, **launch["contract"])
+    task_function = fallback if launch["task"] is None else pickle.loads(launch["task"])
     return {"task_function": task_function, "task_cfg": task_cfg, "whitelist": launch["whitelist"]}
 
 
@@ -2868,15 +2847,15 @@ def _check_resolved_as_on_rank_0(task_cfg: DictConfig, on_rank_0: dict) -> None:
         written = _flat(OmegaConf.to_container(task_cfg))[key]
         resolvers = re.findall(r"\$\{\s*([\w.]+)\s*:", str(written))
         unregistered = [name for name in resolvers if not OmegaConf.has_resolver(name)]
-        raise RankLaunchError(
-            f"The job's config value {key}: {written!r} resolves to {here.get(key)!r} on this child rank"
-            f" and to {theirs[key]!r} on rank 0: "
-            + (
+        why = f"register {' '.join(map(repr, resolvers))} with use_cache=True: all read rank 0's value"
+        if unregistered:
+            why = (
                 f"the resolver {unregistered[0]!r} is registered on rank 0 only: register it at the top level"
                 ' of the script or of a module it imports, not in its `if __name__ == "__main__":` block.'
-                if unregistered
-                else f"register {' '.join(map(repr, resolvers))} with use_cache=True: all read rank 0's value"
             )
+        raise RankLaunchError(
+            f"The job's config value {key}: {written!r} resolves to {here.get(key)!r} on this child rank"
+            f" and to {theirs[key]!r} on rank 0: {why}"
         )
 
 
