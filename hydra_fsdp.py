@@ -194,10 +194,9 @@ class ChildRankError(RuntimeError):
 
 def _upstream_changed(name: str, why: str) -> RankLaunchError:
     """The error for a private name of torch, Lightning or Hydra that is not what it was."""
-    return RankLaunchError(
-        f"hydra_fsdp relies on {name}, private to its package, to {why}; this release differs. Known to work:"
-        f" {_KNOWN_TO_WORK}. Install one, or adapt hydra_fsdp.py where it calls _upstream_changed for it."
-    )
+    return RankLaunchError(f"hydra_fsdp relies on {name}, private to its package, to {why}; this release"
+                           f" differs. Known to work: {_KNOWN_TO_WORK}. Install one, or adapt hydra_fsdp.py"
+                           " where it calls _upstream_changed for it.")  # fmt: skip
 
 
 # -------------------- what rank 0 reads
@@ -313,6 +312,8 @@ class _ByReference(pickle.Pickler):
         self.script = script  # the launching script, where this process's __main__ is not it (a worker)
 
     def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":  # rank 0's result (_hand_back)
+            return obj.cpu().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
         if not isinstance(obj, (types.FunctionType, type)):
             return NotImplemented
         self.main_names.setdefault(obj.__module__, obj.__qualname__)
@@ -363,10 +364,9 @@ def _in_script(script: str, qualname: str, line: int | None) -> Any:
             break
         found = getattr(found, "__wrapped__", None)
     if found is None:
-        raise RankLaunchError(
-            f"A child rank cannot find {qualname} (line {line}) in {script}, where rank 0's was defined: the"
-            f" script changed while the sweep ran, or defines it only as __main__. {_WHERE_CLASSES_GO}"
-        )
+        raise RankLaunchError(f"A child rank cannot find {qualname} (line {line}) in {script}, where rank 0's"
+                              " was defined: the script changed while the sweep ran, or defines it only as"
+                              f" __main__. {_WHERE_CLASSES_GO}")  # fmt: skip
     return found
 
 
@@ -408,12 +408,11 @@ def _write_launch(path: Path, hydra_job: dict, spec: "_LaunchSpec") -> bool:
     if task is None:
         missing = [key for key in ("trainer", spec.module_key) if key not in task_cfg]
         if missing:
-            raise RankLaunchError(
-                f"Child ranks cannot run this job: {why_not}, and the job's config has no"
-                f" {', '.join(repr(k) for k in missing)} key (it has:"
-                f" {', '.join(map(str, task_cfg)) or 'nothing'}) for the trainer and module. Define the task"
-                " function at an importable file's top level, or add them (module_key='model' names its key)."
-            )
+            raise RankLaunchError(f"Child ranks cannot run this job: {why_not}, and the job's config has no"
+                                  f" {', '.join(repr(k) for k in missing)} key (it has:"
+                                  f" {', '.join(map(str, task_cfg)) or 'nothing'}) for the trainer and"
+                                  " module. Define the task function at an importable file's top level, or"
+                                  " add them (module_key='model' names its key).")  # fmt: skip
         log.warning(f"hydra_fsdp: child ranks build the config's trainer and module, because {why_not}.")
     launch = {
         "module": __name__,
@@ -758,10 +757,9 @@ def _claims_folder() -> Path | None:
     what = f"owner uid {found.st_uid}, mode {found.st_mode & 0o777:o}"
     what = f"a symlink to {os.readlink(folder)}" if folder.is_symlink() else what
     if folder.is_symlink() or not folder.is_dir() or found.st_uid != os.getuid() or found.st_mode & 0o22:
-        raise RankLaunchError(
-            f"Device claims go in {folder}, which is {what}; expected a folder of your own (uid"
-            f" {os.getuid()}), writable by you only. Remove it, or set {_CLAIMS_ENV}=<dir> (off: no claims)."
-        )
+        raise RankLaunchError(f"Device claims go in {folder}, which is {what}; expected a folder of your own"
+                              f" (uid {os.getuid()}), writable by you only. Remove it, or set"
+                              f" {_CLAIMS_ENV}=<dir> (off: no claims).")  # fmt: skip
     return folder
 
 
@@ -772,10 +770,9 @@ def _claim(folder: Path, kind: str, inventory: list, count: int, job: contextlib
     included): a claim cannot outlive its job's rank 0. One job claims at a time (the queue's lock), so
     that two jobs never each take part of what both need and then wait for each other."""
     if count > len(inventory):
-        raise RankLaunchError(
-            f"This job asks for {count} {kind}s, and hydra_fsdp's jobs may use {len(inventory)} on this node"
-            f" ({', '.join(inventory)}): ask for fewer, or allow more ({_GPUS_ENV}; for cores, CPU affinity)."
-        )
+        raise RankLaunchError(f"This job asks for {count} {kind}s, and hydra_fsdp's jobs may use"
+                              f" {len(inventory)} on this node ({', '.join(inventory)}): ask for fewer, or"
+                              f" allow more ({_GPUS_ENV}; for cores, CPU affinity).")  # fmt: skip
     with os.fdopen(os.open(folder / f"{kind}.queue", os.O_RDWR | os.O_CREAT, 0o600)) as queue:
         # Waits in the kernel, and a signal interrupts it; bounded by the claims of the jobs ahead, each
         # bounded by the lives of the devices' holders (the kernel lets go of a lock when its holder ends).
@@ -799,11 +796,10 @@ def _claim_in_turn(folder: Path, kind: str, inventory: list, count: int, job: co
             if not looked:
                 busy = [index for index in range(len(files)) if index not in held]
                 holders = sorted({paths[index].read_text().strip() for index in busy} - {""})
-                log.warning(
-                    f"hydra_fsdp: this job waits for {count} free {kind}s of {', '.join(inventory)}:"
-                    f" {', '.join(inventory[index] for index in busy)} are held by other running jobs (pid"
-                    f" {', '.join(holders)}). It starts as soon as enough are free."
-                )
+                log.warning(f"hydra_fsdp: this job waits for {count} free {kind}s of {', '.join(inventory)}:"
+                            f" {', '.join(inventory[index] for index in busy)} are held by other running jobs"
+                            f" (pid {', '.join(holders)}). It starts as soon as enough are"
+                            " free.")  # fmt: skip
             time.sleep(_CLAIM_POLL)
         held = sorted(held[:count])
         for index in held:  # for a job that waits to name who holds it
@@ -1010,10 +1006,9 @@ class _Sweep(Callback):
             try:
                 self.start_job(self.last_spec, _hydra_job())
             except Exception as error:  # noqa: BLE001 - the job's first stage starts its ranks again
-                log.info(
-                    f"hydra_fsdp: this job's child ranks could not start with the job ({error!r}); its first"
-                    " Trainer stage starts them again, and fails with the error if it recurs."
-                )
+                log.info(f"hydra_fsdp: this job's child ranks could not start with the job ({error!r}); its"
+                         " first Trainer stage starts them again, and fails with the error if it"
+                         " recurs.")  # fmt: skip
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         try:  # Hydra makes an error here a warning: what the job held must be let go of all the same
@@ -2031,10 +2026,9 @@ class _HydraFSDP(_HydraStrategy):
         with _full_state_dict_in_place(self.model, rank0_only=False):
             states = checkpoint.get("optimizer_states") if fitting else None
             if states is not None and len(states) != len(self.optimizers):
-                raise RuntimeError(
-                    f"The checkpoint {path} holds the state of {len(states)} optimizer(s), and the module"
-                    f" configures {len(self.optimizers)}: resume with the optimizers it was saved with."
-                )
+                raise RuntimeError(f"The checkpoint {path} holds the state of {len(states)} optimizer(s), and"
+                                   f" the module configures {len(self.optimizers)}: resume with the"
+                                   " optimizers it was saved with.")  # fmt: skip
             self.model.load_state_dict(checkpoint.pop("state_dict"), strict=strict)
             for optimizer, state in zip(self.optimizers, states or []):
                 self._load_optimizer(optimizer, _keyed_by_name(state, self.model))
@@ -2167,11 +2161,10 @@ class _HydraModelParallel(_HydraStrategy):
         sizes = {getattr(self, "_data_parallel_size", 0), getattr(self, "_tensor_parallel_size", 1)}
         super().setup_environment()
         if sizes == {"auto"} and self.num_nodes == 1 and self.world_size > 1:
-            log.warning(
-                "hydra_fsdp: HydraModelParallel's default mesh on one node is data_parallel=1 x"
-                f" tensor_parallel={self.world_size}: it shards no data (every rank reads the same batches)."
-                f" For FSDP2 alone set data_parallel_size={self.world_size}, tensor_parallel_size=1."
-            )
+            log.warning("hydra_fsdp: HydraModelParallel's default mesh on one node is data_parallel=1 x"
+                        f" tensor_parallel={self.world_size}: it shards no data (every rank reads the same"
+                        f" batches). For FSDP2 alone set data_parallel_size={self.world_size},"
+                        " tensor_parallel_size=1.")  # fmt: skip
 
     @contextlib.contextmanager
     def model_sharded_context(self) -> Any:
@@ -2181,10 +2174,9 @@ class _HydraModelParallel(_HydraStrategy):
         except AssertionError as error:
             if "can only be applied to a module once" not in str(error):
                 raise
-            raise RuntimeError(
-                "configure_model() sharded a module again: Lightning calls it before every stage (fit, then"
-                " test). Make it idempotent: skip one sharded already (`isinstance(module, FSDPModule)`)."
-            ) from error
+            raise RuntimeError("configure_model() sharded a module again: Lightning calls it before every"
+                               " stage (fit, then test). Make it idempotent: skip one sharded already"
+                               " (`isinstance(module, FSDPModule)`).") from error  # fmt: skip
 
     def load_checkpoint(self, checkpoint_path: Any, **kwargs: Any) -> dict:
         # A full checkpoint is read once, by Lightning (to the CPU); its optimizers' states are loaded here:
@@ -2373,10 +2365,8 @@ class HydraFSDPLauncher(Launcher):
     ):
         # the others (nproc_per_node, accelerator, ...) are read per job, from the job's config (_job_spec)
         if type(n_jobs) is not int or n_jobs < 1 or not (job_timeout is None or job_timeout > 0):
-            raise ValueError(
-                f"hydra.launcher.n_jobs={n_jobs!r}, job_timeout={job_timeout!r}: expected n_jobs an int >= 1"
-                " and job_timeout seconds > 0, or null for no limit."
-            )
+            raise ValueError(f"hydra.launcher.n_jobs={n_jobs!r}, job_timeout={job_timeout!r}: expected n_jobs"
+                             " an int >= 1 and job_timeout seconds > 0, or null for no limit.")  # fmt: skip
         self.n_jobs, self.job_timeout, self.grace = n_jobs, job_timeout, shutdown_grace
 
     def setup(self, *, hydra_context: Any, task_function: Callable, config: DictConfig) -> None:
@@ -2543,10 +2533,9 @@ def _job_spec(settings: DictConfig) -> tuple:
     the node's (a CPU job on a node with GPUs claims cores). Its _LaunchSpec, and the GPUs it may claim."""
     world = settings.nproc_per_node
     if type(world) is not int or world < 1:
-        raise RankLaunchError(
-            f"hydra.launcher.nproc_per_node={world!r}: expected the number of ranks of the job, an int >= 1"
-            " (e.g. hydra.launcher.nproc_per_node=2; by default the job's trainer.devices, else 1)."
-        )
+        raise RankLaunchError(f"hydra.launcher.nproc_per_node={world!r}: expected the number of ranks of the"
+                              " job, an int >= 1 (e.g. hydra.launcher.nproc_per_node=2; by default the job's"
+                              " trainer.devices, else 1).")  # fmt: skip
     # torch.cuda.device_count() does not initialise CUDA
     inventory = _gpu_inventory() if settings.accelerator in ("auto", "gpu", "cuda") else {}
     devices = tuple(torch.device("cuda" if inventory else "cpu", rank) for rank in range(world))
@@ -2575,11 +2564,10 @@ def _start_ranks(
     env = _torchrun_env(spec.world_size, config.hydra.job.num, placement, inventory)
     env[_RESULT_ENV] = str(job_dir / _RESULT_FILE)  # rank 0's (_hand_back)
     where = [f"cores {','.join(map(str, cores))}" for cores in placement.cores if cores is not None]
-    log.info(
-        f"hydra_fsdp: job #{config.hydra.job.num} starts ({' '.join(config.hydra.overrides.task)}):"
-        f" {spec.world_size} rank(s) on {env.get('CUDA_VISIBLE_DEVICES', ' | '.join(where) or 'every core')},"
-        f" logs {job_dir}"
-    )
+    log.info(f"hydra_fsdp: job #{config.hydra.job.num} starts ({' '.join(config.hydra.overrides.task)}):"
+             f" {spec.world_size} rank(s) on"
+             f" {env.get('CUDA_VISIBLE_DEVICES', ' | '.join(where) or 'every core')}, logs"
+             f" {job_dir}")  # fmt: skip
     delay, failures = _launch_delay(), []
     command = [sys.executable, os.path.abspath(__file__), str(job_dir / _LAUNCH_FILE)]
     for rank in range(spec.world_size):
@@ -2637,12 +2625,11 @@ def _wait_for_rank_0(children: _ChildRanks, port: int, timeout: float) -> None:
     on ``port``; or once it has exited (its outcome is then the job's)."""
     rank_0 = children.procs[0]
     if not _wait_until(children.said, lambda: _listening(port) or rank_0.poll() is not None, timeout):
-        raise ChildRankError(
-            f"Rank 0 did not reach the process group within {timeout:g} s (nothing listens on MASTER_PORT"
-            f"={port}), so the job's other ranks were not started: {children.describe(0)} Raise"
-            " hydra.launcher.rank_timeout if it builds for longer, or set"
-            " hydra.launcher.start_ranks_together=true if its ranks meet some other way."
-        )
+        raise ChildRankError(f"Rank 0 did not reach the process group within {timeout:g} s (nothing listens"
+                             f" on MASTER_PORT={port}), so the job's other ranks were not started:"
+                             f" {children.describe(0)} Raise hydra.launcher.rank_timeout if it builds for"
+                             " longer, or set hydra.launcher.start_ranks_together=true if its ranks meet"
+                             " some other way.")  # fmt: skip
 
 
 def _listening(port: int) -> bool:
@@ -2669,10 +2656,8 @@ def _torchrun_env(world: int, number: int, placement: _Placement, inventory: dic
 def _outcome(children: _ChildRanks, failures: list, settled: bool, job_timeout: Any) -> Any:
     """Rank 0's return value; else its exception, or the error of the rank that failed first (its log)."""
     if not settled:
-        error = ChildRankError(
-            f"The job ran past hydra.launcher.job_timeout={job_timeout} s: raise it if the job needs longer;"
-            " where each rank stood is in its log."
-        )
+        error = ChildRankError(f"The job ran past hydra.launcher.job_timeout={job_timeout} s: raise it if the"
+                               " job needs longer; where each rank stood is in its log.")  # fmt: skip
         children.end_saying_where_they_stood(error, "Its ranks were still running;")
         raise error
     first = failures[0] if failures else children.first_failed()
@@ -2699,18 +2684,9 @@ def _outcome(children: _ChildRanks, failures: list, settled: bool, job_timeout: 
     raise ChildRankError(f"Rank {first} failed first: {children.describe(first)}")
 
 
-def _failure_sent(error: BaseException) -> tuple | None:
-    """Rank 0's exception's traceback and cause, which pickling drops, where Hydra sends them on (hydra-core
-    >= 1.4's run_job hands them to the sweep, by its private serializers, which these are): else None."""
-    from hydra.core import utils
-
-    with contextlib.suppress(Exception):  # hydra-core 1.3, or they changed: the exception as pickled
-        return utils._serialize_traceback(error.__traceback__), utils._serialize_exception_chain(error)
-    return None
-
-
 def _with_failure(error: BaseException, sent: tuple | None) -> BaseException:
-    """Rank 0's exception made again in the job's agent with its traceback and cause (``_failure_sent``)."""
+    """Rank 0's exception made again in the job's agent with its traceback and cause (``_hand_back`` sends
+    them, by hydra-core >= 1.4's private serializers, where they are), which 1.4's run_job hands on."""
     from hydra.core import utils
 
     with contextlib.suppress(Exception):
@@ -2722,27 +2698,23 @@ def _with_failure(error: BaseException, sent: tuple | None) -> BaseException:
     return error
 
 
-class _OnTheCPU(pickle.Pickler):
-    """Pickles a tensor as one on the CPU: unpickled on a GPU, it would start CUDA in the job's agent and
-    the sweep's process, on a GPU another job may hold."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
-            return obj.cpu().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
-        return NotImplemented
-
-
 def _hand_back(**outcome: Any) -> None:
     """Under the launcher, rank 0's return value (``value``) or exception (``error``), for the job's agent,
     written whole or not at all. What cannot be pickled is handed back as an error saying so."""
     path = os.environ.get(_RESULT_ENV)
     if path is None or os.environ.get("RANK") != "0":
         return
-    if "error" in outcome:
-        outcome["sent"] = _failure_sent(outcome["error"])
+    with contextlib.suppress(Exception):  # a value; or hydra-core 1.3, or these changed: as pickled
+        from hydra.core import utils
+
+        error = outcome["error"]  # its traceback and cause, which pickling drops, for 1.4's JobReturn
+        outcome["sent"] = (
+            utils._serialize_traceback(error.__traceback__),
+            utils._serialize_exception_chain(error),
+        )
     buffer = io.BytesIO()
     try:
-        _OnTheCPU(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(outcome)
+        _ByReference(buffer).dump(outcome)  # a tensor on the CPU: on a GPU it would start CUDA in the sweep
         pickled = buffer.getvalue()
     except Exception as error:  # noqa: BLE001 - PicklingError, or what an object's own __reduce__ raises
         what = f"exception {outcome['error']!r}" if "error" in outcome else ""
@@ -2853,10 +2825,8 @@ def _check_resolved_as_on_rank_0(task_cfg: DictConfig, on_rank_0: dict) -> None:
                 f"the resolver {unregistered[0]!r} is registered on rank 0 only: register it at the top level"
                 ' of the script or of a module it imports, not in its `if __name__ == "__main__":` block.'
             )
-        raise RankLaunchError(
-            f"The job's config value {key}: {written!r} resolves to {here.get(key)!r} on this child rank"
-            f" and to {theirs[key]!r} on rank 0: {why}"
-        )
+        raise RankLaunchError(f"The job's config value {key}: {written!r} resolves to {here.get(key)!r} on"
+                              f" this child rank and to {theirs[key]!r} on rank 0: {why}")  # fmt: skip
 
 
 def _set_hydra_config(hydra: dict) -> None:
