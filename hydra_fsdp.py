@@ -414,19 +414,14 @@ def _write_launch(path: Path, hydra_job: dict, spec: "_LaunchSpec") -> bool:
                                   " module. Define the task function at an importable file's top level, or"
                                   " add them (module_key='model' names its key).")  # fmt: skip
         log.warning(f"hydra_fsdp: child ranks build the config's trainer and module, because {why_not}.")
-    launch = {
-        "module": __name__,
-        "sys_path": list(sys.path),
-        "sys_argv": list(sys.argv),
-        "cwd": os.getcwd(),  # Hydra's working_dir, under hydra.job.chdir, is the job's dir as given: relative
-        "main": {"path": script} if script else _launching_script(),
-        "hydra": _resolved_where_possible(HydraConfig.get()),
-        "config": config,
-        "resolved": _resolved_where_possible(task_cfg),
-        "task": task,
-        "contract": {"module_key": spec.module_key, "datamodule_key": spec.datamodule_key},
-        "whitelist": getattr(hydra_job["hydra_context"], "execution_whitelist", None),  # hydra-core >= 1.4
-    }
+    # cwd: Hydra's working_dir, under hydra.job.chdir, is the job's dir as given: relative. whitelist: the
+    # execution whitelist of hydra-core >= 1.4.
+    launch = {"module": __name__, "sys_path": list(sys.path), "sys_argv": list(sys.argv), "cwd": os.getcwd(),
+              "main": {"path": script} if script else _launching_script(),
+              "hydra": _resolved_where_possible(HydraConfig.get()), "config": config, "task": task,
+              "resolved": _resolved_where_possible(task_cfg),
+              "contract": {"module_key": spec.module_key, "datamodule_key": spec.datamodule_key},
+              "whitelist": getattr(hydra_job["hydra_context"], "execution_whitelist", None)}  # fmt: skip
     _write_private(path, pickle.dumps(launch))
     return task is not None
 
@@ -522,9 +517,8 @@ class _ForkServer:
         env.update({_SERVER_ENV: json.dumps(server)}, PYTHONUNBUFFERED="1", PYTORCH_NVML_BASED_CUDA_CHECK="1")
         command = [sys.executable, os.path.abspath(__file__)]
         # Its stdout, which its imports may print to, is stderr: only the connections carry replies.
-        self.proc = subprocess.Popen(
-            command, env=env, stdin=subprocess.DEVNULL, stdout=2, pass_fds=[theirs.fileno()]
-        )
+        self.proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=2,
+                                     pass_fds=[theirs.fileno()])  # fmt: skip
         theirs.close()
 
     def listen(self, said: threading.Condition) -> "_ForkServer":
@@ -572,8 +566,8 @@ class _ForkServer:
         with contextlib.suppress(OSError):  # a server that died says so by its end
             self.conn.sendall(json.dumps(request).encode())
         if not _wait_until(self.said, lambda: self.started or self.lost, timeout) or not self.started:
-            self.end()
             how = "and ended (its error is above)" if self.lost else f"within {timeout:g} s and was ended"
+            self.end()
             raise ChildRankError(f"hydra_fsdp's fork server (pid {self.proc.pid}), importing"
                                  f" {', '.join(self.imports)} for the sweep's ranks, started none {how}."
                                  " Raise rank_timeout if imports are this slow here.")  # fmt: skip
@@ -930,20 +924,20 @@ class _LaunchSpec(NamedTuple):
 
 class _Sweep(Callback):
     """What rank 0, the sweep's process, keeps from job to job (``_sweep``), and the Hydra callback that
-    follows the jobs: a job's start starts its ranks if the last job had some, its end ends them and frees
-    what it held, the sweep's end ends the fork server. Only ``said`` is shared."""
+    follows the jobs: a job's start freezes what is alive (its end's collection skips it), its end ends its
+    ranks and frees what it held, the sweep's end ends the fork server. Only ``said`` is shared. (A job's
+    ranks start at its first stage: forks of the fork server are up in a tenth of a second.)"""
 
     def __init__(self) -> None:
         self.said = threading.Condition()  # notified whenever the fork server says something
         self.fork_server: _ForkServer | None = None
         self.job: _Job | None = None  # whose child ranks run, from its first stage until Hydra ends it
         self.wrapped: list = []  # the FSDP wrappers the running job built, for its end to free
-        self.last_spec: _LaunchSpec | None = None
         self.ran: Any = None  # the JobReturn of the last job these strategies ran a stage of
         self.froze = False
 
     def job_for(self, spec: _LaunchSpec, hydra_job: dict | None) -> "_Job":
-        """The job's ranks for a stage of ``spec``: those started at Hydra's start of the job if alike."""
+        """The job's ranks for a stage of ``spec``: those its first stage started, if alike."""
         if hydra_job is None or not HydraConfig.initialized():
             raise RankLaunchError("Child ranks start from the Hydra job's config; no Hydra job runs here:"
                                   " call trainer.fit/... in a Hydra task function (@hydra.main, hydra_zen),"
@@ -1001,14 +995,6 @@ class _Sweep(Callback):
         if gc.get_freeze_count() == 0:  # not over a user's freeze, or the last job's (it raised past its end)
             gc.freeze()
             self.froze = True
-        server = self.fork_server  # not one that failed to start: its first stage would wait for it again
-        if self.last_spec is not None and server is not None and server.proc.poll() is None:
-            try:
-                self.start_job(self.last_spec, _hydra_job())
-            except Exception as error:  # noqa: BLE001 - the job's first stage starts its ranks again
-                log.info(f"hydra_fsdp: this job's child ranks could not start with the job ({error!r}); its"
-                         " first Trainer stage starts them again, and fails with the error if it"
-                         " recurs.")  # fmt: skip
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         try:  # Hydra makes an error here a warning: what the job held must be let go of all the same
@@ -1270,9 +1256,9 @@ def _add_note(error: BaseException, note: str) -> None:
 
 
 class _Job:
-    """Rank 0's side of one Hydra job: its child ranks, store and process group, from its first stage (or
-    Hydra's start of the job) until Hydra ends it (``finish``), so that all its stages run on one set of
-    ranks. ``close`` undoes what the job did, the last first, however it ended."""
+    """Rank 0's side of one Hydra job: its child ranks, store and process group, from its first stage until
+    Hydra ends it (``finish``), so that all its stages run on one set of ranks. ``close`` undoes what the
+    job did, the last first, however it ended."""
 
     def __init__(self, sweep: _Sweep, spec: _LaunchSpec, hydra_job: dict) -> None:
         self.sweep, self.spec, self.started = sweep, spec, time.monotonic()
@@ -1304,7 +1290,7 @@ class _Job:
         if not _users_threads():  # a user's value stands
             torch.set_num_threads(self.placement.threads)
             os.environ["OMP_NUM_THREADS"] = str(self.placement.threads)
-        self.sweep.follow(hydra_job["hydra_context"]).last_spec = self.spec
+        self.sweep.follow(hydra_job["hydra_context"])
         self.runs_task = _rank_launch(self, hydra_job)
         for key, value in _NCCL_KEEPS_THE_PROCESS.items():  # rank 0's own: the children keep torch's
             if key.removeprefix("TORCH_") not in os.environ:  # nor set under its legacy name
@@ -1381,7 +1367,7 @@ class _Job:
     def finish(self, job_return: Any) -> None:
         """Hydra ended the job: a child's late failure fails it; clean up."""
         try:
-            if not self.released:  # started at the job's start, which then ran no stage: nor did they
+            if not self.released:  # its first stage failed before the children were told to run: nor did they
                 return
             if job_return.status is JobStatus.COMPLETED:
                 if not self.runs_task:
@@ -1427,17 +1413,13 @@ class _SignalWatch:
     (``_ChildRanks.stop``: the signal once, then the grace), and on a second signal kills them."""
 
     watching: "_SignalWatch | None" = None  # the one running, which a fork of rank 0 drops (in_a_fork)
-    forks_drop_it = (
-        False  # os.register_at_fork's hook, registered by the first watch (not at import): it stays
-    )
+    forks_drop_it = False  # os.register_at_fork's hook: registered by the first watch, not at import
 
     def __init__(self, on_signal: Callable[[int], None]) -> None:
         self.thread, self.sigterm_was = None, None  # the watcher; SIGTERM's handler before the watch's
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers and the wakeup fd belong to the main thread
-        if (
-            not _SignalWatch.forks_drop_it
-        ):  # importing hydra_fsdp has no side effects: a vendored file's promise
+        if not _SignalWatch.forks_drop_it:  # here, not at import: importing hydra_fsdp has no side effects
             os.register_at_fork(after_in_child=_SignalWatch.in_a_fork)
             _SignalWatch.forks_drop_it = True
         read_fd, self.write_fd = os.pipe()
@@ -2360,10 +2342,8 @@ class HydraFSDPLauncher(Launcher):
     1..N-1 once it serves the job's store on MASTER_PORT, in Lightning's order. The job's result is rank
     0's: its return value, or its exception; else the error of the rank that failed first."""
 
-    def __init__(
-        self, n_jobs: int = 1, job_timeout: Any = None, shutdown_grace: float = 30.0, **per_job: Any
-    ):
-        # the others (nproc_per_node, accelerator, ...) are read per job, from the job's config (_job_spec)
+    def __init__(self, n_jobs: int = 1, job_timeout: Any = None, shutdown_grace: float = 30.0, **rest: Any):
+        # the rest (nproc_per_node, accelerator, ...) are read per job, from the job's config (_job_spec)
         if type(n_jobs) is not int or n_jobs < 1 or not (job_timeout is None or job_timeout > 0):
             raise ValueError(f"hydra.launcher.n_jobs={n_jobs!r}, job_timeout={job_timeout!r}: expected n_jobs"
                              " an int >= 1 and job_timeout seconds > 0, or null for no limit.")  # fmt: skip
@@ -2437,7 +2417,6 @@ class HydraFSDPLauncher(Launcher):
         try:
             os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the sweep alone, which passes it on once
             _exit_with(os.getppid())
-            self.write_end = write_end
             task_function = functools.partial(self._run_ranks, connection)
             ret = run_job(task_function, config, "hydra.sweep.dir", "hydra.sweep.subdir", self.hydra_context)
             ret.cfg, outcome = None, {"ret": ret}
@@ -2462,7 +2441,7 @@ class HydraFSDPLauncher(Launcher):
             with contextlib.ExitStack() as job:
                 job.callback(children.end)
                 try:
-                    failures = _start_ranks(self, job, children, hydra_job, server)
+                    failures = _start_ranks(job, children, hydra_job, server)
                     settled = _wait_until(children.said, children.settled, self.job_timeout)
                 except _Interrupted as interrupted:
                     killed = children.close(interrupted.args[0], self.grace)
@@ -2542,9 +2521,7 @@ def _job_spec(settings: DictConfig) -> tuple:
     return _LaunchSpec(world, devices, "127.0.0.1", "", settings.rank_timeout, None, None), inventory
 
 
-def _start_ranks(
-    launcher: Any, job: contextlib.ExitStack, children: _ChildRanks, hydra_job: dict, server: Any
-) -> list:
+def _start_ranks(job: contextlib.ExitStack, children: _ChildRanks, hydra_job: dict, server: Any) -> list:
     """Claim the job's devices (let go of at ``job``'s end), start its ranks and say so. Return the list
     the fork server's thread appends each failed rank to."""
     config, job_dir = hydra_job["config"], children.job_dir
@@ -2559,7 +2536,7 @@ def _start_ranks(
     except RankLaunchError as error:  # a child cannot import the task function (or the config's classes)
         why_not = error
     if why_not is not None:  # forked here, not in the except: a fork would run the job in its context
-        server = _local_fork_server(hydra_job, why_not, launcher.write_end)  # (the other connection unused)
+        server = _local_fork_server(hydra_job, why_not)  # (the fork server's connection unused)
     server.listen(children.said)
     env = _torchrun_env(spec.world_size, config.hydra.job.num, placement, inventory)
     env[_RESULT_ENV] = str(job_dir / _RESULT_FILE)  # rank 0's (_hand_back)
@@ -2585,7 +2562,7 @@ def _start_ranks(
     return failures
 
 
-def _local_fork_server(hydra_job: dict, why_not: Exception, write_end: int) -> _ForkServer:
+def _local_fork_server(hydra_job: dict, why_not: Exception) -> _ForkServer:
     """For a task function that a child cannot import by name (``why_not``): a fork of this agent, which
     has it in memory (the agent is a fork of the sweep), serves the job's forks as the fork server does;
     not where the sweep's process touched CUDA, since a fork of it cannot use CUDA."""
@@ -2593,24 +2570,21 @@ def _local_fork_server(hydra_job: dict, why_not: Exception, write_end: int) -> _
     if not callable(in_bad_fork):
         raise _upstream_changed("torch.cuda._is_in_bad_fork", "tell whether a fork of the sweep can use CUDA")
     if in_bad_fork():
-        raise RankLaunchError(
-            f"This job's ranks cannot start: {why_not} So they would be forks of the sweep's process, which"
-            " initialised CUDA (as torch.cuda.is_available() does), and such a fork cannot use CUDA. Define"
-            " the task function at the top level of an importable file, or start the sweep with"
-            " PYTORCH_NVML_BASED_CUDA_CHECK=1 (torch.cuda.is_available() then leaves CUDA alone)."
-        )
+        raise RankLaunchError(f"This job's ranks cannot start: {why_not} So they would be forks of the"
+                              " sweep's process, which initialised CUDA (as torch.cuda.is_available() does),"
+                              " and such a fork cannot use CUDA. Define the task function at the top level"
+                              " of an importable file, or start the sweep with"
+                              " PYTORCH_NVML_BASED_CUDA_CHECK=1 (then torch.cuda.is_available() leaves CUDA"
+                              " alone).")  # fmt: skip
     server = _ForkServer.__new__(_ForkServer)
     server.imports, (server.conn, theirs) = [], socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     pid = os.fork()
     if pid == 0:
         global _child_job
-        _child_job = {
-            "task_function": hydra_job["task_function"],
-            "task_cfg": _job_config(hydra_job),
-            "whitelist": getattr(hydra_job["hydra_context"], "execution_whitelist", None),
-        }
-        server.conn.close()
-        os.close(write_end)  # the sweep reads the agent's end of the pipe until the agent alone closes it
+        whitelist = getattr(hydra_job["hydra_context"], "execution_whitelist", None)
+        _child_job = {"task_function": hydra_job["task_function"], "task_cfg": _job_config(hydra_job),
+                      "whitelist": whitelist}  # fmt: skip
+        server.conn.close()  # (the agent's pipe to the sweep it holds too ends as it does, with the agent)
         _serve_forks([], theirs.fileno())
     theirs.close()
     # not this process's to reap: it ends as the agent does (its connection closes)
@@ -2663,10 +2637,10 @@ def _outcome(children: _ChildRanks, failures: list, settled: bool, job_timeout: 
     first = failures[0] if failures else children.first_failed()
     children.end()  # the others, at once, even blocked in a collective
     if first is not None and not failures and (server := children.procs[first].server).lost:
-        raise ChildRankError(  # no rank failed: every one ended with it (PR_SET_PDEATHSIG)
-            f"The fork server (pid {server.proc.pid}) ended while the job ran, and the job's ranks with it:"
-            f" its error, if any, is in the sweep's output. {children.describe(first)}"
-        )
+        # no rank failed: every one ended with it (PR_SET_PDEATHSIG)
+        raise ChildRankError(f"The fork server (pid {server.proc.pid}) ended while the job ran, and the job's"
+                             f" ranks with it: its error, if any, is in the sweep's output."
+                             f" {children.describe(first)}")  # fmt: skip
     result = children.job_dir / _RESULT_FILE
     outcome = {}
     if first in (0, None) and result.exists():
@@ -2705,13 +2679,8 @@ def _hand_back(**outcome: Any) -> None:
     if path is None or os.environ.get("RANK") != "0":
         return
     with contextlib.suppress(Exception):  # a value; or hydra-core 1.3, or these changed: as pickled
-        from hydra.core import utils
-
-        error = outcome["error"]  # its traceback and cause, which pickling drops, for 1.4's JobReturn
-        outcome["sent"] = (
-            utils._serialize_traceback(error.__traceback__),
-            utils._serialize_exception_chain(error),
-        )
+        e, utils = outcome["error"], importlib.import_module("hydra.core.utils")  # e: rank 0's exception
+        outcome["sent"] = utils._serialize_traceback(e.__traceback__), utils._serialize_exception_chain(e)
     buffer = io.BytesIO()
     try:
         _ByReference(buffer).dump(outcome)  # a tensor on the CPU: on a GPU it would start CUDA in the sweep

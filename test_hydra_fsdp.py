@@ -1122,22 +1122,6 @@ def test_a_job_end_scans_only_the_jobs_objects_and_leaves_a_users_freeze_alone()
         gc.unfreeze()
 
 
-def test_ranks_that_cannot_start_with_their_job_say_why(caplog):
-    """Starting a job's ranks at its start may fail (its first stage then starts them again, and fails with
-    the error if it recurs): the first error is logged, not swallowed without a word."""
-    follower = hydra_fsdp._Sweep()
-    follower.last_spec = object()
-    follower.fork_server = SimpleNamespace(proc=SimpleNamespace(poll=lambda: None))  # a live server
-    failing = mock.Mock(side_effect=RankLaunchError("the launch file cannot be written"))
-    with mock.patch.object(follower, "start_job", failing), caplog.at_level("INFO", logger="hydra_fsdp"):
-        try:
-            follower.on_job_start(config=None)
-        finally:
-            follower.on_job_end(config=None, job_return=object())
-    failing.assert_called_once()
-    assert "the launch file cannot be written" in caplog.text and "first" in caplog.text, caplog.text
-
-
 def inner():
     raise ValueError("inner")
 
