@@ -25,8 +25,9 @@ The sections follow one job, from rank 0's first look at it to a child rank's st
 7. *The strategies*: the version checks, what every strategy adds, HydraFSDP's and
    HydraModelParallel's own parts, and the public classes of both Lightning namespaces.
 8. *The launcher: every rank a fresh process* (``hydra/launcher=hydra_fsdp``): the sweep's process runs
-   Hydra's job machinery only, and every rank of every job, rank 0 included, is a fork of the fork server
-   with torchrun's environment; the job's result is rank 0's.
+   the sweeper and a job agent per job (a fork of it, which runs Hydra's ``run_job``); every rank of every
+   job, rank 0 included, is a fork of the fork server with torchrun's environment, ranks 1..N-1 started
+   once rank 0 reached the process group; the job's result is rank 0's.
 9. *A child rank*: how a child rank runs the job, forked or started by hand (``python hydra_fsdp.py
    <launch file>``).
 
@@ -43,7 +44,8 @@ the sweep (a process)           Hydra's: the sweeper; on the strategies' route e
 a job agent (the launcher)      a fork of the sweep per running job, in a process group of its own: runs
                                 Hydra's ``run_job``, starts, waits for and ends the job's ranks. Owned by
                                 the sweep; it dies with the sweep (``_exit_with``).
-the fork server                 one per sweep (one per agent for a task function no child can import):
+the fork server                 one per sweep (one per job, a fork of its agent, for a task function no
+                                child can import: ``_local_fork_server``):
                                 forks every child rank, ignores SIGINT. Owned by the connection that
                                 started it; it ends as that one closes, its children with it.
 a child rank                    a fork of the fork server, in a process group of its own (a terminal's
