@@ -513,7 +513,7 @@ class _ForkServer:
     def __init__(self, lightning: str, env_set: Any) -> None:
         # env_set: the job's environment, the children's, not the server's
         env = {key: value for key, value in os.environ.items() if key not in env_set}
-        self.imports = [name for name in (lightning, "hydra_zen") if name in sys.modules]  # the sweep's
+        self.imports = [name for name in (lightning, "hydra_zen") if sys.modules.get(name)]  # the sweep's
         self.conn, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         server = {"sys_path": sys.path, "module": __name__, "imports": self.imports, "fd": theirs.fileno()}
         env.update({_SERVER_ENV: json.dumps(server)}, PYTHONUNBUFFERED="1", PYTORCH_NVML_BASED_CUDA_CHECK="1")
@@ -716,7 +716,7 @@ def _run_forked(request: dict, server_fds: list, sigint: Any) -> None:
         # What a new process reads at its start, read again in the job's environment: Lightning's rank
         # and the threads. And the random seeds: numpy and torch seed once per process, so that every fork
         # would draw the server's numbers (Python's random reseeds itself in a fork).
-        for lightning in [name for name in _NAMESPACES.values() if name in sys.modules]:
+        for lightning in [name for name in _NAMESPACES.values() if sys.modules.get(name)]:  # None: blocked
             _set_rank_zero_only(lightning, int(os.environ["LOCAL_RANK"]))
         if "OMP_NUM_THREADS" in os.environ:
             torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
