@@ -552,7 +552,8 @@ class _ForkServer:
                     on_failure = self.on_failure.pop(reply.get("exited"), None)
                     self.said.notify_all()
                 if reply.get("code") and on_failure is not None:  # one that blocks holds up no reply
-                    threading.Thread(target=_logged_if_it_fails, args=(on_failure,), daemon=True).start()
+                    abort = functools.partial(_logged_if_it_fails, on_failure)
+                    threading.Thread(target=abort, name="hydra-fsdp-abort", daemon=True).start()
         except OSError:  # the connection was closed here, or reset
             pass
         finally:  # the server ended, or its replies did: no wait may outlast it

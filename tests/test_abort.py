@@ -98,7 +98,8 @@ def assert_aborted_in_seconds(app, log):
     aborts = [(t, text) for t, text in mine if text.startswith("abort() called")]
     released = [t for t, text in mine if "released by abort()" in text]
     assert aborts, f"hydra_fsdp never aborted the group; the backend noted:\n{log.read_text()}"
-    assert "hydra-fsdp-fork-server" in aborts[0][1], "the first abort comes from the fork server's thread"
+    # on a thread of its own, which the fork server's reader starts: an abort that blocks holds up no reply
+    assert "hydra-fsdp-abort" in aborts[0][1], "the first abort comes from hydra_fsdp's abort thread"
     aborted = aborts[0][0]
     if gone and gone[0] <= aborted:
         assert released and released[0] >= aborted, f"not released by the abort:\n{log.read_text()}"
@@ -196,7 +197,7 @@ if rank == 1:
 def abort_as_hydra_fsdp_does():  # once the collective below blocks on the dead peer
     print(f"blocked: {stub_backend.blocked_on_dead_peer.wait(30)}", flush=True)
     hydra_fsdp._abort_groups()
-threading.Thread(target=abort_as_hydra_fsdp_does, name="hydra-fsdp-fork-server").start()
+threading.Thread(target=abort_as_hydra_fsdp_does, name="hydra-fsdp-abort").start()
 started = time.monotonic()
 try:
     dist.all_reduce(torch.ones(1), group=group)
