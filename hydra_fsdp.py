@@ -99,6 +99,7 @@ import math
 import operator
 import os
 import pickle
+import random
 import re
 import runpy
 import select
@@ -2618,9 +2619,7 @@ def _listening(port: int) -> bool:
 
 def _torchrun_env(world: int, number: int, placement: _Placement, inventory: dict) -> dict:
     """What every rank of a job has of torchrun's environment, and of the devices its job holds."""
-    with socket.socket() as free:  # for rank 0's store; the OS offers the next job another
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
+    port = _free_port()
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
                LOCAL_WORLD_SIZE=str(world), NODE_RANK="0", GROUP_RANK="0", PYTHONUNBUFFERED="1",
                TORCHELASTIC_RUN_ID=f"hydra_fsdp-{number}")  # fmt: skip
@@ -2628,6 +2627,19 @@ def _torchrun_env(world: int, number: int, placement: _Placement, inventory: dic
     if placement.gpus is not None:  # cuda:<LOCAL_RANK> is then the rank's GPU, for any strategy
         env["CUDA_VISIBLE_DEVICES"] = ",".join(inventory[gpu] for gpu in placement.gpus)
     return env
+
+
+def _free_port() -> int:
+    """A port free now for rank 0's store, which it binds seconds later: one below the kernel's ephemeral
+    range, which no outgoing connection takes meanwhile (a port the OS offers for bind(0) is one of that
+    range: a pip download's or a browser's connection took it here, EADDRINUSE); other jobs pick theirs
+    at random from 10,000."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.sample(range(max(1024, low - 10_000), low), 100):
+        with socket.socket() as free, contextlib.suppress(OSError):  # taken: the next
+            free.bind(("127.0.0.1", port))
+            return port
+    raise RankLaunchError(f"No port from {low - 10_000} to {low} was free for a job's rank 0: free some.")
 
 
 def _outcome(children: _ChildRanks, failures: list, settled: bool, job_timeout: Any) -> Any:
