@@ -2540,7 +2540,8 @@ def _start_ranks(job: contextlib.ExitStack, children: _ChildRanks, hydra_job: di
     except RankLaunchError as error:  # a child cannot import the task function (or the config's classes)
         why_not = error
     if why_not is not None:  # forked here, not in the except: a fork would run the job in its context
-        server = _local_fork_server(hydra_job, why_not)  # (the fork server's connection unused)
+        cuda = bool(inventory) or config.hydra.launcher.accelerator in ("gpu", "cuda")
+        server = _local_fork_server(hydra_job, why_not, cuda)  # (the fork server's connection unused)
     server.listen(children.said)
     env = _torchrun_env(spec.world_size, config.hydra.job.num, placement, inventory)
     env[_RESULT_ENV] = str(job_dir / _RESULT_FILE)  # rank 0's (_hand_back)
@@ -2566,14 +2567,15 @@ def _start_ranks(job: contextlib.ExitStack, children: _ChildRanks, hydra_job: di
     return failures
 
 
-def _local_fork_server(hydra_job: dict, why_not: Exception) -> _ForkServer:
+def _local_fork_server(hydra_job: dict, why_not: Exception, cuda: bool) -> _ForkServer:
     """For a task function that a child cannot import by name (``why_not``): a fork of this agent, which
     has it in memory (the agent is a fork of the sweep), serves the job's forks as the fork server does;
-    not where the sweep's process touched CUDA, since a fork of it cannot use CUDA."""
+    not for a job on GPUs (``cuda``) where the sweep's process touched CUDA: a fork of it cannot use CUDA.
+    (A job on the CPU runs: its ranks never start CUDA.)"""
     in_bad_fork = getattr(torch.cuda, "_is_in_bad_fork", None)
     if not callable(in_bad_fork):
         raise _upstream_changed("torch.cuda._is_in_bad_fork", "tell whether a fork of the sweep can use CUDA")
-    if in_bad_fork():
+    if cuda and in_bad_fork():
         raise RankLaunchError(f"This job's ranks cannot start: {why_not} So they would be forks of the"
                               " sweep's process, which initialised CUDA (as torch.cuda.is_available() does),"
                               " and such a fork cannot use CUDA. Define the task function at the top level"

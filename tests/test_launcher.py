@@ -290,7 +290,7 @@ def test_more_jobs_at_once_than_cores_each_wait_their_turn_and_the_sweep_complet
     assert "3 job(s), 0 failed" in run.text()
 
 
-def test_a_sweep_that_touched_cuda_fails_a_closures_jobs_at_once_naming_the_fix(tmp_path):
+def test_a_sweep_that_touched_cuda_fails_a_closures_gpu_jobs_at_once_naming_the_fix(tmp_path):
     """Its ranks would be forks of the sweep's process, which called torch.cuda.is_available() (the app
     does, at import): a fork of it cannot use CUDA. Where this torch build has CUDA (CI's floor and newest
     stacks: PyPI's CUDA builds; no GPU needed)."""
@@ -305,7 +305,8 @@ def test_a_sweep_that_touched_cuda_fails_a_closures_jobs_at_once_naming_the_fix(
         pytest.skip(f"torch {torch.__version__}: a fork after torch.cuda.is_available() can use CUDA here")
     app = launcher_app(tmp_path / "app")
     env = {"LAUNCHER_APP_CLOSURE": "1", "LAUNCHER_APP_TOUCH_CUDA": "1"}
-    run = start_sweep(app, *LAUNCHER, "hydra.launcher.nproc_per_node=2", "lr=0.1,0.2", env=env)
+    gpu = "hydra.launcher.accelerator=gpu"  # a job on the CPU runs: its ranks never start CUDA
+    run = start_sweep(app, *LAUNCHER, "hydra.launcher.nproc_per_node=2", gpu, "lr=0.1,0.2", env=env)
     run.wait(FAULT_BOUND)
     assert run.returncode != 0 and not list(app.glob("sweep/*/seen"))
     for job in (0, 1):
