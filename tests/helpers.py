@@ -408,3 +408,19 @@ def sweeper_or_skip(module: str, install: str) -> None:
         __import__(module)
     else:
         pytest.importorskip(module, reason=f"{install} (or: pip install -e '.[test,sweepers]')")
+
+
+def assert_every_rank_shut_down_gracefully(job_dir, how, sweep):
+    """After ``how`` (a signal, as ``stop`` sends it) stopped ``sweep`` mid-fit: both ranks of the job in
+    ``job_dir`` finished their on_exception, the job was reported as interrupted, no rank was killed, and
+    the sweep exited as the signal says. Returns the sweep's output and what each on_exception saw."""
+    output = sweep.text()
+    ran = {rank: (job_dir / f"on_exception_rank{rank}").read_text() for rank in (0, 1)
+           if (job_dir / f"on_exception_rank{rank}").exists()}  # fmt: skip
+    assert sorted(ran) == [0, 1], f"on_exception completed on ranks {ran} only:\n{output[-6000:]}"
+    name = "SIGINT (Ctrl-C)" if how.startswith("SIGINT") else "SIGTERM"
+    assert f"The job was interrupted by {name} after" in output, output[-6000:]
+    assert "still running after the grace" not in output and "killed by SIGKILL" not in output, output[-6000:]
+    expected = (130, -signal.SIGINT) if how.startswith("SIGINT") else (143,)
+    assert sweep.returncode in expected, f"exit status {sweep.returncode}:\n{output[-6000:]}"
+    return output, ran

@@ -14,6 +14,7 @@ from helpers import (
     Blocked,
     alive,
     assert_ended_with_their_job,
+    assert_every_rank_shut_down_gracefully,
     assert_failed_job_then_healthy_job,
     assert_ranks_agree,
     copy_app,
@@ -223,16 +224,8 @@ def test_a_signal_gives_every_rank_its_graceful_shutdown_then_ends_the_sweep(app
         took = time.monotonic() - stopped
     finally:
         sweep.end()
-    output = sweep.text()
-    ran = {rank: (job / f"on_exception_rank{rank}").read_text() for rank in (0, 1)
-           if (job / f"on_exception_rank{rank}").exists()}  # fmt: skip
-    assert sorted(ran) == [0, 1], f"on_exception completed on ranks {ran} only:\n{output[-6000:]}"
-    name = "SIGINT (Ctrl-C)" if how.startswith("SIGINT") else "SIGTERM"
-    assert f"The job was interrupted by {name} after" in output, output[-6000:]
-    assert "still running after the grace" not in output and "killed by SIGKILL" not in output, output[-6000:]
+    output, ran = assert_every_rank_shut_down_gracefully(job, how, sweep)
     assert "Child rank 1 failed" not in output, output[-6000:]
-    expected = (130, -signal.SIGINT) if how.startswith("SIGINT") else (143,)
-    assert sweep.returncode in expected, f"exit status {sweep.returncode}:\n{output[-6000:]}"
     assert not (app / "sweep" / "1").exists(), output[-6000:]
     print(f"{how}: on_exception ran: {ran}; the sweep exited {sweep.returncode} {took:.1f} s after it")
 

@@ -24,6 +24,7 @@ from helpers import (
     Run,
     alive,
     app_env,
+    assert_every_rank_shut_down_gracefully,
     copy_template,
     records,
     run_side_by_side,
@@ -400,16 +401,9 @@ def test_a_signal_gives_every_rank_its_graceful_shutdown_then_ends_the_sweep(tmp
         took = time.monotonic() - stopped
     finally:
         sweep.end()
-    output = sweep.text()
-    ran = {rank: (job / f"on_exception_rank{rank}").read_text() for rank in (0, 1)
-           if (job / f"on_exception_rank{rank}").exists()}  # fmt: skip
-    assert sorted(ran) == [0, 1], f"on_exception completed on ranks {ran} only:\n{output[-6000:]}"
+    output, ran = assert_every_rank_shut_down_gracefully(job, how, sweep)
     name = "SIGINT (Ctrl-C)" if how.startswith("SIGINT") else "SIGTERM"
     assert f"The job was interrupted by {name} after" in jobs(app)[0]["error"], output[-6000:]
-    assert f"The job was interrupted by {name} after" in output, output[-6000:]
-    assert "still running after the grace" not in output and "killed by SIGKILL" not in output, output[-6000:]
-    expected = (130, -signal.SIGINT) if how.startswith("SIGINT") else (143,)
-    assert sweep.returncode in expected, f"exit status {sweep.returncode}:\n{output[-6000:]}"
     assert not (tmp_path / "sweep" / "1").exists(), output[-6000:]
     print(f"{how}: on_exception ran: {ran}; the sweep exited {sweep.returncode} {took:.1f} s after it")
 
